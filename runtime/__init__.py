@@ -1,0 +1,1 @@
+"""Model runtime shared by the target and draft services: models, layers, attention, KV cache."""

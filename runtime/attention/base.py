@@ -1,0 +1,43 @@
+"""The attention backend interface shared by the target (verify/prefill) and the draft (block)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from runtime.attention.metadata import AttentionMetadata
+from runtime.kv_cache import PagedKVCache
+
+
+class AttentionBackend(ABC):
+    """Computes attention of new tokens over their sequence's paged history.
+
+    Contract: `prepare(meta)` once per forward, then `forward(layer, q, k, v)` per layer, which
+    first stores the new k/v at meta.slot_mapping, then attends. A query at position prefix+i sees
+    keys 0..prefix+i when meta.causal (or a window of them), and keys 0..prefix+q_len-1 otherwise.
+    """
+
+    name: str = "base"
+
+    def __init__(self, cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float) -> None:
+        self.cache = cache
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.meta: AttentionMetadata | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+
+    def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """k, v [T, nkv, hd] -> cache slots [T]."""
+        self.cache.k[layer].index_copy_(0, slot_mapping, k.to(self.cache.k.dtype))
+        self.cache.v[layer].index_copy_(0, slot_mapping, v.to(self.cache.v.dtype))
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                causal: bool | None = None, window: int | None = None) -> torch.Tensor:
+        """q [T, nh, hd], k/v [T, nkv, hd] -> out [T, nh, hd]. `causal`/`window` override meta."""

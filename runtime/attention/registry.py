@@ -1,0 +1,28 @@
+"""Name -> attention backend class. Backends with optional dependencies import lazily."""
+from __future__ import annotations
+
+import importlib
+
+from runtime.attention.base import AttentionBackend
+
+BACKENDS: dict[str, str] = {
+    "torch": "runtime.attention.torch_backend:TorchAttentionBackend",
+    "triton": "runtime.attention.triton_backend:TritonAttentionBackend",
+    "flashinfer": "runtime.attention.flashinfer_backend:FlashInferAttentionBackend",
+}
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(BACKENDS)}")
+    module, cls = BACKENDS[name].split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as e:
+        raise BackendUnavailable(f"attention backend {name!r} is not available here: {e}. "
+                                 f"Install the GPU extras (pip install '.[gpu]') or use "
+                                 f"--attention-backend torch") from e

@@ -1,0 +1,72 @@
+"""The reference backend: gathers each sequence's paged K/V and calls SDPA. CPU and CUDA."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.attention.base import AttentionBackend
+from runtime.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        super().prepare(meta)
+        ps = meta.page_size
+        kv_lens = meta.kv_lens
+        max_kv = max(kv_lens)
+        pos = torch.arange(max_kv, device=meta.page_tables.device)
+        pages = meta.page_tables[:, (pos // ps).clamp(max=meta.page_tables.shape[1] - 1)]
+        self._kv_index = pages * ps + pos % ps                                  # [bs, max_kv]
+        self._uniform = len(set(meta.q_lens)) == 1 and len(set(kv_lens)) == 1
+        self._masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
+        self._offsets = [0]
+        for q in meta.q_lens:
+            self._offsets.append(self._offsets[-1] + q)
+
+    def _mask(self, prefix: int, q_len: int, causal: bool, window: int | None
+              ) -> torch.Tensor | None:
+        """bool [q_len, prefix+q_len] (True = attend), or None when every key is visible."""
+        if not causal and window is None:
+            return None
+        device = self.meta.page_tables.device
+        qpos = prefix + torch.arange(q_len, device=device)[:, None]
+        kpos = torch.arange(prefix + q_len, device=device)[None, :]
+        mask = kpos <= qpos if causal else torch.ones_like(kpos <= qpos)
+        if window is not None:
+            mask = mask & (kpos > qpos - window)
+        return mask
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                causal: bool | None = None, window: int | None = None) -> torch.Tensor:
+        meta = self.meta
+        causal = meta.causal if causal is None else causal
+        self.store_kv(layer, k, v, meta.slot_mapping)
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if self._uniform:
+            return self._forward_uniform(q, kc, vc, causal, window)
+        out = torch.empty_like(q)
+        for i, (prefix, q_len) in enumerate(zip(meta.prefix_lens, meta.q_lens)):
+            lo, hi = self._offsets[i], self._offsets[i + 1]
+            idx = self._kv_index[i, : prefix + q_len]
+            mask = self._mask(prefix, q_len, causal, window)
+            out[lo:hi] = self._sdpa(q[None, lo:hi], kc[idx][None], vc[idx][None], mask)[0]
+        return out
+
+    def _forward_uniform(self, q, kc, vc, causal, window) -> torch.Tensor:
+        meta = self.meta
+        bs, q_len, prefix = meta.batch_size, meta.q_lens[0], meta.prefix_lens[0]
+        qb = q.view(bs, q_len, self.num_heads, self.head_dim)
+        kb, vb = kc[self._kv_index], vc[self._kv_index]                          # [bs, kv, nkv, hd]
+        mask = self._mask(prefix, q_len, causal, window)
+        return self._sdpa(qb, kb, vb, mask).reshape(-1, self.num_heads, self.head_dim)
+
+    def _sdpa(self, q, k, v, mask) -> torch.Tensor:
+        """q [b, q, nh, hd], k/v [b, kv, nkv, hd] -> [b, q, nh, hd]."""
+        q, k, v = (t.transpose(1, 2) for t in (q, k.to(q.dtype), v.to(q.dtype)))
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return out.transpose(1, 2)

@@ -1,0 +1,1 @@
+"""Model definitions. Attention goes through runtime.attention backends."""

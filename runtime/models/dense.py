@@ -1,0 +1,93 @@
+"""Dense decoder-only transformers: Llama, Qwen2 (qkv bias), Qwen3 (per-head q/k norm).
+Tokens of all sequences are flattened: hidden states are [T, H]; attention is per sequence
+through the backend."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.config import ModelConfig
+from runtime.layers.mlp import GatedMLP
+from runtime.layers.norm import RMSNorm
+from runtime.layers.rope import RotaryEmbedding
+from runtime.models.forward import ForwardBatch, ForwardOutput
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q [T, nh, hd], k/v [T, nkv, hd], with q/k norm and RoPE applied."""
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(-1, self.nh, self.hd), k.view(-1, self.nkv, self.hd), v.view(-1, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.project_qkv(x, positions, rope)
+        out = batch.backend.forward(self.layer_id, q, k, v)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DenseDecoder(nn.Module):
+    """Weights follow HF names (model.layers.N.self_attn.q_proj ...) except the fused
+    qkv_proj / gate_up_proj, which runtime.weights fills from the separate HF tensors."""
+
+    hybrid = False
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+                ) -> ForwardOutput:
+        """input_ids, positions: int64 [T] (flattened over sequences)."""
+        x = self.embed_tokens(input_ids)
+        wanted = {layer: None for layer in batch.capture_layers}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, batch)
+            if i in wanted:
+                wanted[i] = x
+        captured = torch.cat([wanted[i] for i in batch.capture_layers], dim=-1) if wanted else None
+        return ForwardOutput(hidden=self.norm(x), captured=captured)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in fp32."""
+        return (hidden @ self.lm_head_weight.t()).float()

@@ -1,0 +1,44 @@
+"""Build a model from a HF-format directory: pick the class, materialise, load weights."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.config import ModelConfig, read_config_json
+from runtime.weights import load_weights
+
+
+def build_empty(cls: type[nn.Module], cfg, device: torch.device | str, dtype: torch.dtype
+                ) -> nn.Module:
+    """Construct without initialising weights (they are loaded next); rebuild fixed buffers."""
+    with torch.device("meta"):
+        model = cls(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():
+        if hasattr(module, "init_buffers"):
+            module.init_buffers(torch.device(device))
+    return model
+
+
+def model_class(raw: dict) -> tuple[type[nn.Module], object]:
+    """(class, parsed config) for a config.json dict."""
+    model_type = raw.get("model_type", "")
+    from runtime.models import hybrid_registry
+    hybrid = hybrid_registry.lookup(model_type)
+    if hybrid is not None:
+        return hybrid(raw)
+    from runtime.models.dense import DenseDecoder
+    return DenseDecoder, ModelConfig.from_dict(raw)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> nn.Module:
+    raw = read_config_json(path)
+    cls, cfg = model_class(raw)
+    model = build_empty(cls, cfg, device, dtype)
+    ignore = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if getattr(cfg, "tie_word_embeddings", False) else ())
+    load_weights(model, path, ignore=ignore)
+    model.eval().requires_grad_(False)
+    return model

@@ -1,0 +1,105 @@
+"""Loading HF safetensors checkpoints into runtime models (fusing q/k/v and gate/up)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# HF tensor name piece -> (our fused parameter piece, shard index)
+PACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    return files
+
+
+def iter_tensors(path: str | Path, names: set[str] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) over a checkpoint directory; only `names` when given (others never read)."""
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if names is None or name in names:
+                    yield name, f.get_tensor(name)
+
+
+def read_tensors(path: str | Path, names: set[str]) -> dict[str, torch.Tensor]:
+    return dict(iter_tensors(path, names))
+
+
+def _split_sizes(module: nn.Module, fused: str) -> list[int]:
+    if fused == "qkv_proj":
+        return [module.q_size, module.kv_size, module.kv_size]
+    return [module.intermediate, module.intermediate]
+
+
+def load_weights(model: nn.Module, path: str | Path, strip_prefix: str = "model.",
+                 ignore: tuple[str, ...] = ("rotary_emb.inv_freq",),
+                 dtype: torch.dtype | None = None) -> None:
+    """Copy checkpoint tensors into `model`'s parameters; every parameter must be filled."""
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {}
+    for name, tensor in iter_tensors(path):
+        if any(name.endswith(s) for s in ignore):
+            continue
+        target = name[len(strip_prefix):] if name.startswith(strip_prefix) else name
+        _copy_one(model, params, filled, target, name, tensor)
+    missing = [n for n, p in params.items() if filled.get(n, 0) < _expected_fills(n)]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights for: {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+    if dtype is not None:
+        model.to(dtype)
+
+
+def _expected_fills(name: str) -> int:
+    if ".qkv_proj.weight" in name or ".qkv_proj.bias" in name:
+        return 3
+    if ".gate_up_proj." in name:
+        return 2
+    return 1
+
+
+def _copy_one(model: nn.Module, params: dict[str, nn.Parameter], filled: dict[str, int],
+              target: str, source: str, tensor: torch.Tensor) -> None:
+    parts = target.split(".")
+    for i, piece in enumerate(parts):
+        if piece in PACKED:
+            fused, shard = PACKED[piece]
+            owner = model.get_submodule(".".join(parts[:i]))
+            pname = ".".join(parts[:i] + [fused] + parts[i + 1:])
+            if pname not in params:
+                raise ValueError(f"unexpected checkpoint tensor {source}")
+            sizes = _split_sizes(owner, fused)
+            param = params[pname]
+            dst = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+            _check_shape(source, dst, tensor)
+            dst.copy_(tensor)
+            filled[pname] = filled.get(pname, 0) + 1
+            return
+    if target not in params:
+        raise ValueError(f"unexpected checkpoint tensor {source} (no parameter {target})")
+    _check_shape(source, params[target].data, tensor)
+    params[target].data.copy_(tensor)
+    filled[target] = filled.get(target, 0) + 1
+
+
+def _check_shape(source: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"checkpoint tensor {source} has shape {tuple(src.shape)}, "
+                         f"the model expects {tuple(dst.shape)}")

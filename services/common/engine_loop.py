@@ -1,0 +1,173 @@
+"""Continuous batching: RPC handlers submit work and await it; one engine thread owns the model
+and runs everything pending as one batch per iteration, up to a token budget, with no waiting
+window. Latency-critical work (verify/propose blocks, releases) is taken first, then prompt
+work FIFO with what is left of the budget; prompts larger than the rest are split into chunks."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("dflash.engine")
+
+
+@dataclass(eq=False)
+class Work:
+    kind: str                         # e.g. "prefill", "verify", "propose", "release"
+    seq_id: str
+    payload: Any
+    cost: int                         # tokens this work puts through the model
+    splittable: bool = False          # prompt work: may run in chunks across iterations
+    done_tokens: int = 0              # progress of a split work
+    state: dict[str, Any] = field(default_factory=dict)   # scratch for the step (chunk outputs)
+    future: asyncio.Future | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    enqueued_at: float = field(default_factory=time.monotonic)
+    finished: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return self.cost - self.done_tokens
+
+    def cancelled(self) -> bool:
+        return self.future is not None and self.future.cancelled()
+
+    def resolve(self, result: Any) -> None:
+        self.finished = True
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, None)
+
+    def fail(self, error: BaseException) -> None:
+        self.finished = True
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(_settle, self.future, None, error)
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+Step = Callable[[list[tuple[Work, int]]], None]
+
+
+class EngineLoop:
+    """step(batch) receives [(work, n_tokens)] and must resolve or fail every work it finishes;
+    a split work that is not finished stays queued for the next iteration."""
+
+    def __init__(self, step: Step, token_budget: int, name: str = "engine",
+                 on_idle: Callable[[], None] | None = None, idle_tick_s: float = 0.5) -> None:
+        self.step = step
+        self.token_budget = token_budget
+        self.on_idle = on_idle
+        self.idle_tick_s = idle_tick_s
+        self._urgent: list[Work] = []
+        self._prompts: list[Work] = []
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.iterations = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    @property
+    def waiting(self) -> int:
+        with self._cv:
+            return len(self._urgent) + len(self._prompts)
+
+    async def submit(self, work: Work) -> Any:
+        loop = asyncio.get_running_loop()
+        work.loop, work.future = loop, loop.create_future()
+        with self._cv:
+            (self._prompts if work.splittable else self._urgent).append(work)
+            self._cv.notify()
+        return await work.future
+
+    def call(self, fn: Callable[[], Any]) -> None:
+        """Runs fn on the engine thread before the next batch (state changes stay single-owner)."""
+        self.post(Work(kind="call", seq_id="", payload=fn, cost=0))
+
+    def post(self, work: Work) -> None:
+        with self._cv:
+            self._urgent.append(work)
+            self._cv.notify()
+
+    def _take(self) -> list[tuple[Work, int]]:
+        with self._cv:
+            while not self._stopped and not self._urgent and not self._prompts:
+                if not self._cv.wait(timeout=self.idle_tick_s) and self.on_idle:
+                    self._cv.release()
+                    try:
+                        self.on_idle()
+                    finally:
+                        self._cv.acquire()
+            if self._stopped:
+                return []
+            budget = self.token_budget
+            batch: list[tuple[Work, int]] = []
+            for queue in (self._urgent, self._prompts):
+                for w in list(queue):
+                    if w.cancelled():
+                        queue.remove(w)
+                        continue
+                    if w.remaining <= budget or not batch:
+                        n = w.remaining if (w.remaining <= budget or not w.splittable) else budget
+                    elif w.splittable and budget > 0:
+                        n = budget
+                    else:
+                        continue
+                    batch.append((w, n))
+                    budget -= n
+                    if budget <= 0:
+                        break
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if not batch:
+                if self._stopped:
+                    return
+                continue
+            calls = [w for w, _ in batch if w.kind == "call"]
+            for w in calls:
+                self._safe(w.payload)
+                w.finished = True
+            work = [(w, n) for w, n in batch if w.kind != "call"]
+            if work:
+                try:
+                    self.step(work)
+                except Exception as e:  # a bug in the step: fail this batch, keep serving
+                    log.exception("engine step failed")
+                    for w, _ in work:
+                        if not w.finished:
+                            w.fail(e)
+            self.iterations += 1
+            with self._cv:
+                for w, _ in batch:
+                    if w.finished:
+                        for queue in (self._urgent, self._prompts):
+                            if w in queue:
+                                queue.remove(w)
+
+    @staticmethod
+    def _safe(fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("engine call failed")

@@ -1,0 +1,57 @@
+"""Domain errors that map one-to-one onto gRPC status codes, and the handler decorator that
+turns them (and anything unexpected) into a status with a message - never UNKNOWN."""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import grpc
+
+log = logging.getLogger("dflash.rpc")
+
+
+class ServiceError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class FailedPrecondition(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotReady(Unavailable):
+    """Asked for something that exists only after start-up reached a later stage."""
+
+
+def rpc(method: Callable) -> Callable:
+    """Wrap an async unary servicer method: ServiceError -> its status; other errors -> INTERNAL."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except ServiceError as e:
+            await context.abort(e.code, str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # a bug: report it as INTERNAL with its text, keep serving
+            log.exception("internal error in %s", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+    return wrapper

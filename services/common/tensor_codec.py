@@ -1,0 +1,42 @@
+"""TensorData <-> torch.Tensor: raw little-endian bytes + dtype + shape (never floats in lists)."""
+from __future__ import annotations
+
+import torch
+
+from dflash.v1 import common_pb2
+from services.common.errors import InvalidArgument
+
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+}
+# numpy has no bfloat16: move raw bits through a same-width integer view.
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def wire_dtype(name: str) -> torch.dtype:
+    if name not in WIRE_DTYPES:
+        raise InvalidArgument(f"tensor dtype {name!r} is not supported; allowed: {sorted(WIRE_DTYPES)}")
+    return WIRE_DTYPES[name]
+
+
+def encode(t: torch.Tensor) -> common_pb2.TensorData:
+    t = t.detach().contiguous().cpu()
+    name = {v: k for k, v in WIRE_DTYPES.items()}[t.dtype]
+    data = t.view(_BITS[t.dtype]).numpy().tobytes()
+    return common_pb2.TensorData(data=data, dtype=name, shape=list(t.shape))
+
+
+def decode(msg: common_pb2.TensorData, what: str = "tensor") -> torch.Tensor:
+    """Validates dtype and byte count; returns a CPU tensor of msg.shape."""
+    dtype = wire_dtype(msg.dtype)
+    numel = 1
+    for d in msg.shape:
+        numel *= d
+    expected = numel * dtype.itemsize
+    if len(msg.data) != expected:
+        raise InvalidArgument(f"{what}: {len(msg.data)} bytes do not match shape {list(msg.shape)} "
+                              f"of {msg.dtype} ({expected} bytes expected)")
+    if numel == 0:
+        return torch.empty(tuple(msg.shape), dtype=dtype)
+    raw = torch.frombuffer(bytearray(msg.data), dtype=_BITS[dtype])
+    return raw.view(dtype).reshape(tuple(msg.shape))

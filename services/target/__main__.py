@@ -1,0 +1,113 @@
+"""python -m services.target --model DIR --port P [...]: the target-model gRPC service."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+from runtime.sampling import SamplingConfig
+from services.common import flags
+from services.common.logs import setup_logging
+from services.common.metrics_server import start_metrics
+from services.common.server import (MiB, Readiness, build_server, install_stop_signals,
+                                    serve_until_stopped)
+from services.target import servicer as target_servicer
+from services.target.config import TargetConfig
+from services.target.engine import PrefillCall, TargetEngine
+from services.target.worker import TargetWorker
+
+log = logging.getLogger("dflash.target")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.target", description=__doc__)
+    flags.add(p, "--model", help="HF-format model directory (config.json + safetensors)")
+    flags.add(p, "--port", 50051, int, "gRPC port")
+    flags.add(p, "--host", "0.0.0.0", str, "listen address")
+    flags.add(p, "--device", "cpu", str, "cpu | cuda | cuda:N")
+    flags.add(p, "--dtype", "float32", str, "float32 | bfloat16 | float16")
+    flags.add(p, "--attention-backend", "torch", str, "torch | triton | flashinfer")
+    flags.add(p, "--kv-budget", "1GiB", flags.parse_size, "memory for KV pages (and state pool)")
+    flags.add(p, "--page-size", 16, int, "tokens per KV page")
+    flags.add(p, "--max-context", 0, int, "max tokens per sequence (0 = the model's)")
+    flags.add(p, "--max-block-size", 32, int, "largest verify block (anchor + drafts)")
+    flags.add(p, "--token-budget", 512, int, "tokens per engine iteration (chunked prefill)")
+    flags.add(p, "--lease-seconds", 120.0, float, "idle time after which a sequence is freed")
+    flags.add(p, "--state-slots", 64, int, "hybrid models: sequences the recurrent state pool holds")
+    flags.add(p, "--model-id", "", str, "name reported in capabilities (default: directory name)")
+    flags.add(p, "--metrics-port", 0, int, "Prometheus /metrics port (0 = off)")
+    flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
+    flags.add(p, "--log-level", "INFO", str, "DEBUG | INFO | WARNING")
+    flags.add(p, "--warmup-delay", 0.0, float, "testing: extra seconds of warm-up")
+    flags.add(p, "--hybrid-wrapper", action="store_true", help="wrap the backend in the hybrid wrapper")
+    flags.add(p, "--no-mamba-commit", action="store_true",
+              help="testing: build a hybrid backend that cannot commit recurrent state")
+    args = p.parse_args(argv)
+    if not args.model:
+        p.error("--model (or DFLASH_MODEL) is required")
+    return args
+
+
+def config_from_args(args: argparse.Namespace) -> TargetConfig:
+    return TargetConfig(
+        model_dir=args.model, device=args.device, dtype=args.dtype,
+        attention_backend=args.attention_backend, kv_budget_bytes=args.kv_budget,
+        page_size=args.page_size, max_context=args.max_context,
+        max_block_size=args.max_block_size, token_budget=args.token_budget,
+        lease_seconds=args.lease_seconds, state_slots=args.state_slots, model_id=args.model_id,
+        warmup_delay_s=args.warmup_delay, hybrid_wrapper=args.hybrid_wrapper,
+        mamba_commit=not args.no_mamba_commit)
+
+
+async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:
+    """A real prefill and a verify of the largest block through the engine, then release."""
+    t0 = time.monotonic()
+    n = min(8, worker.facts.max_context - worker.config.max_block_size - 1)
+    layers = tuple(range(min(2, worker.facts.num_layers)))
+    import torch
+    await engine.prefill(PrefillCall("__warmup__", [worker.facts.bos_token_id] * max(1, n),
+                                     SamplingConfig(), layers, torch.bfloat16))
+    await engine.verify("__warmup__", [worker.facts.bos_token_id] * worker.config.max_block_size)
+    await engine.release("__warmup__")
+    if worker.config.warmup_delay_s:
+        await asyncio.sleep(worker.config.warmup_delay_s)
+    log.info("warm-up done", extra={"seconds": round(time.monotonic() - t0, 2)})
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = config_from_args(args)
+    readiness = Readiness(target_servicer.SERVICE_NAME)
+    await readiness.start()
+    servicer = target_servicer.TargetServicer()
+    server = build_server(args.port, args.host, args.max_message_mib * MiB, readiness,
+                          lambda s: target_servicer.add_to_server(servicer, s))
+    await server.start()
+    log.info("listening (NOT_SERVING until ready)", extra={"port": args.port})
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    start_metrics(args.metrics_port)
+    worker = await asyncio.to_thread(TargetWorker, config)
+    servicer.worker = worker
+    await asyncio.to_thread(worker.alloc_memory_pools)
+    await asyncio.to_thread(worker.init_attention_backends)
+    engine = TargetEngine(worker)
+    engine.start()
+    servicer.engine = engine
+    await warmup(engine, worker)
+    worker.mark_ready()
+    await readiness.set(True)
+    try:
+        await serve_until_stopped(server, readiness, stop)
+    finally:
+        engine.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_logging(args.log_level, "target")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Target service configuration (one frozen dataclass; flags and DFLASH_* env fill it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    model_dir: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention_backend: str = "torch"
+    kv_budget_bytes: int = 1 << 30
+    page_size: int = 16
+    max_context: int = 0               # 0 = the model's max_position_embeddings
+    max_block_size: int = 32
+    token_budget: int = 512            # tokens per engine iteration (chunked prefill)
+    lease_seconds: float = 120.0
+    hybrid_wrapper: bool = False       # wrap the backend in HybridAttnBackend even for dense models
+    state_slots: int = 64              # hybrid models: sequences the state pool holds
+    model_id: str = ""
+    warmup: bool = True
+    warmup_delay_s: float = 0.0        # tests: make warm-up observably slow
+    mamba_commit: bool = True          # tests of the hybrid path: False builds a backend that cannot commit
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.max_block_size < 1 or self.token_budget < self.max_block_size:
+            raise ValueError("page_size and max_block_size must be >= 1 and token_budget >= max_block_size")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")

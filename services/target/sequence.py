@@ -1,0 +1,31 @@
+"""The target's soft state for one sequence."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.kv_cache import PageTable
+from runtime.sampling import SamplingConfig
+
+
+@dataclass
+class TargetSequence:
+    seq_id: str
+    sampling: SamplingConfig
+    capture_layers: tuple[int, ...]
+    feature_dtype: torch.dtype
+    generator: torch.Generator | None
+    table: PageTable = field(default_factory=PageTable)
+    seq_len: int = 0            # positions whose KV (and recurrent state) is committed
+    num_generated: int = 0      # output tokens committed so far, the pending anchor included
+    state_slot: int | None = None   # hybrid models: live recurrent state slot
+    last_used: float = field(default_factory=time.monotonic)
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+    def suppress_rows(self, rows: int) -> int:
+        """How many of `rows` predictions (output counts num_generated + i) are below min_tokens."""
+        return max(0, min(rows, self.sampling.min_tokens - self.num_generated))

@@ -1,0 +1,103 @@
+"""dflash.v1.Target servicer: protobuf <-> domain objects; validation; nothing else."""
+from __future__ import annotations
+
+import grpc
+
+from dflash.v1 import common_pb2, target_pb2, target_pb2_grpc
+from services.common import tensor_codec, validation
+from services.common.errors import InvalidArgument, NotReady, rpc
+from services.target.engine import PrefillCall, TargetEngine
+from services.target.worker import TargetWorker
+
+PROTOCOL_VERSION = 1
+SERVICE_NAME = "dflash.v1.Target"
+
+
+class TargetServicer(target_pb2_grpc.TargetServicer):
+    """worker/engine are attached as start-up reaches them; until the worker is ready every RPC
+    answers UNAVAILABLE saying which stage is missing."""
+
+    def __init__(self) -> None:
+        self.worker: TargetWorker | None = None
+        self.engine: TargetEngine | None = None
+
+    def _ready_engine(self) -> tuple[TargetWorker, TargetEngine]:
+        if self.worker is None:
+            raise NotReady("target not ready: the model is still loading")
+        if not self.worker.ready or self.engine is None:
+            raise NotReady(f"target not ready: start-up stage '{self.worker.stage}' "
+                           f"(attention backends and warm-up must finish first)")
+        return self.worker, self.engine
+
+    @rpc
+    async def GetCapabilities(self, request, context) -> target_pb2.TargetCapabilities:
+        worker, _ = self._ready_engine()
+        return capabilities(worker)
+
+    @rpc
+    async def Prefill(self, request: target_pb2.PrefillRequest, context) -> target_pb2.PrefillResponse:
+        worker, engine = self._ready_engine()
+        f = worker.facts
+        ids = validation.token_ids(request.token_ids, f.vocab_size)
+        if not ids:
+            raise InvalidArgument("token_ids is empty: a prompt needs at least one token")
+        if len(ids) >= f.max_context:
+            raise InvalidArgument(f"prompt of {len(ids)} tokens does not fit: the max context is "
+                                  f"{f.max_context} tokens, and at least one must be left to generate")
+        layers = tuple(request.capture_layers)
+        bad = [layer for layer in layers if layer >= f.num_layers]
+        if bad or len(set(layers)) != len(layers):
+            raise InvalidArgument(f"capture_layers {list(layers)} invalid: ids must be distinct and "
+                                  f"in [0, {f.num_layers})")
+        if request.num_generated > len(ids):
+            raise InvalidArgument(f"num_generated {request.num_generated} exceeds the "
+                                  f"{len(ids)} tokens given")
+        call = PrefillCall(
+            seq_id=validation.sequence_id(request.sequence_id), token_ids=ids,
+            sampling=validation.sampling(request.sampling, f.vocab_size), capture_layers=layers,
+            feature_dtype=tensor_codec.wire_dtype(request.feature_dtype or "bfloat16"),
+            num_generated=request.num_generated)
+        result = await engine.prefill(call)
+        return target_pb2.PrefillResponse(
+            next_token=result.next_token, seq_len=result.seq_len,
+            features=tensor_codec.encode(result.features) if result.features is not None else None)
+
+    @rpc
+    async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyResponse:
+        worker, engine = self._ready_engine()
+        seq_id = validation.sequence_id(request.sequence_id)
+        ids = validation.token_ids(request.token_ids, worker.facts.vocab_size)
+        max_b = worker.config.max_block_size
+        if not 1 <= len(ids) <= max_b:
+            raise InvalidArgument(f"a verify block has {len(ids)} tokens; allowed 1..{max_b} "
+                                  f"(anchor + up to {max_b - 1} drafts)")
+        result = await engine.verify(seq_id, ids)
+        return target_pb2.VerifyResponse(
+            accepted=result.accepted, committed_tokens=result.committed, seq_len=result.seq_len,
+            features=tensor_codec.encode(result.features) if result.features is not None else None)
+
+    @rpc
+    async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
+        _, engine = self._ready_engine()
+        released = await engine.release(validation.sequence_id(request.sequence_id))
+        return common_pb2.ReleaseResponse(released=released)
+
+
+def capabilities(worker: TargetWorker) -> target_pb2.TargetCapabilities:
+    f, cfg = worker.facts, worker.config
+    return target_pb2.TargetCapabilities(
+        protocol_version=PROTOCOL_VERSION, model_id=f.model_id, architecture=f.architecture,
+        vocab_size=f.vocab_size, eos_token_ids=list(f.eos_token_ids), max_context=f.max_context,
+        dtype=worker.dtype_name, kv_dtype=worker.dtype_name,
+        attention_backend=getattr(worker.attn_backend, "inner_name", worker.attn_backend.name),
+        hybrid=f.hybrid, mamba_verify_commit=worker.need_mamba_verify_commit,
+        num_layers=f.num_layers, hidden_size=f.hidden_size, max_block_size=cfg.max_block_size,
+        tokenizer_hash=f.tokenizer_hash, bos_token_id=f.bos_token_id,
+        kv_pages_total=worker.kv_cache.usable_pages, kv_page_size=cfg.page_size,
+        state_slots_total=worker.state_pool.num_slots if worker.state_pool is not None else 0,
+        feature_dtypes=sorted(tensor_codec.WIRE_DTYPES), lease_seconds=int(cfg.lease_seconds))
+
+
+def add_to_server(servicer: TargetServicer, server: grpc.aio.Server) -> list[str]:
+    target_pb2_grpc.add_TargetServicer_to_server(servicer, server)
+    return [SERVICE_NAME]

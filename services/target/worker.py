@@ -1,0 +1,179 @@
+"""TargetWorker: owns the model, its memory pools and its attention backend.
+
+Start-up order is a contract (DESIGN.md §4):
+  1. __init__                  config + weights. No backend. need_mamba_verify_commit unknown.
+  2. alloc_memory_pools()      KV pages (and the recurrent state pool of hybrid models).
+  3. init_attention_backends() build the backend; only now decide need_mamba_verify_commit.
+  4. warmup()                  a real prefill + verify.
+Asking for the backend-dependent answers before their stage raises NotReady (never an
+AttributeError, never a silent False)."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from runtime.attention.base import AttentionBackend
+from runtime.attention.hybrid import HybridAttnBackend, can_commit_mamba_state
+from runtime.attention.metadata import AttentionMetadata, SeqSlice
+from runtime.attention.registry import backend_class
+from runtime.config import dtype_name, parse_dtype
+from runtime.kv_cache import PagedKVCache
+from runtime.models.forward import ForwardBatch, ForwardOutput
+from runtime.models.registry import load_model
+from runtime.tokenizer import tokenizer_fingerprint
+from services.common.errors import NotReady
+from services.target.config import TargetConfig
+
+log = logging.getLogger("dflash.target.worker")
+
+STAGES = ("loaded", "pools", "backends", "ready")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What capabilities report about the model itself (known after __init__)."""
+    model_id: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int
+    tokenizer_hash: str
+    hybrid: bool
+
+
+class TargetWorker:
+    def __init__(self, config: TargetConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = parse_dtype(config.dtype)
+        t0 = time.monotonic()
+        self.model = load_model(config.model_dir, self.dtype, self.device)
+        cfg = self.model.cfg
+        self.facts = ModelFacts(
+            model_id=config.model_id or config.model_dir.rstrip("/").split("/")[-1],
+            architecture=cfg.architecture, vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+            max_context=min(cfg.max_position, config.max_context or cfg.max_position),
+            eos_token_ids=tuple(cfg.eos_token_ids), bos_token_id=int(cfg.bos_token_id or 0),
+            tokenizer_hash=tokenizer_fingerprint(config.model_dir),
+            hybrid=bool(getattr(self.model, "hybrid", False)),
+        )
+        self.kv_cache: PagedKVCache | None = None
+        self.state_pool = None
+        self._attn_backend: AttentionBackend | None = None
+        self._need_mamba_verify_commit: bool | None = None
+        self.stage = "loaded"
+        log.info("weights loaded", extra={"model": self.facts.model_id,
+                                          "seconds": round(time.monotonic() - t0, 2)})
+
+    # -- stage-gated answers -------------------------------------------------------------
+    def _require(self, stage: str, what: str) -> None:
+        if STAGES.index(self.stage) < STAGES.index(stage):
+            raise NotReady(f"{what} is not available yet: the target is at start-up stage "
+                           f"'{self.stage}' and needs '{stage}' (order: {' -> '.join(STAGES)})")
+
+    @property
+    def attn_backend(self) -> AttentionBackend:
+        self._require("backends", "the attention backend")
+        return self._attn_backend
+
+    @property
+    def need_mamba_verify_commit(self) -> bool:
+        self._require("backends", "need_mamba_verify_commit")
+        assert self._need_mamba_verify_commit is not None
+        return self._need_mamba_verify_commit
+
+    @property
+    def ready(self) -> bool:
+        return self.stage == "ready"
+
+    # -- start-up stages -----------------------------------------------------------------
+    def alloc_memory_pools(self) -> None:
+        cfg = self.model.cfg
+        state_bytes = 0
+        if self.facts.hybrid:
+            self.state_pool = self.model.make_state_pool(
+                self.config.state_slots, self.config.max_block_size, self.device)
+            state_bytes = self.state_pool.nbytes
+        per_page = PagedKVCache.bytes_per_page(self.num_attention_layers, cfg.num_kv_heads,
+                                               cfg.head_dim, self.config.page_size, self.dtype)
+        pages = max(0, self.config.kv_budget_bytes - state_bytes) // per_page
+        self.kv_cache = PagedKVCache(self.num_attention_layers, cfg.num_kv_heads, cfg.head_dim,
+                                     self.config.page_size, int(pages), self.dtype, self.device)
+        self.stage = "pools"
+        log.info("memory pools allocated", extra={
+            "kv_pages": self.kv_cache.usable_pages, "page_size": self.config.page_size,
+            "kv_tokens": self.kv_cache.usable_pages * self.config.page_size,
+            "state_bytes": state_bytes})
+
+    @property
+    def num_attention_layers(self) -> int:
+        return getattr(self.model, "num_attention_layers", self.model.cfg.num_layers)
+
+    def init_attention_backends(self) -> None:
+        self._require("pools", "init_attention_backends")
+        cfg = self.model.cfg
+        cls = backend_class(self.config.attention_backend)
+        backend: AttentionBackend = cls(self.kv_cache, cfg.num_heads, cfg.num_kv_heads,
+                                        cfg.head_dim, cfg.head_dim ** -0.5)
+        if self.facts.hybrid:
+            mamba = self.model.make_state_backend(self.state_pool, self.config.mamba_commit)
+            backend = HybridAttnBackend(backend, mamba)
+        elif self.config.hybrid_wrapper:
+            backend = HybridAttnBackend(backend)
+        self._attn_backend = backend
+        # Decided only now, from the model (does it have mamba layers?) and the backend that
+        # exists (can it commit?) - a delegating wrapper alone never makes this True.
+        self._need_mamba_verify_commit = self.facts.hybrid and can_commit_mamba_state(backend)
+        self.stage = "backends"
+        log.info("attention backends built", extra={
+            "backend": backend.name, "need_mamba_verify_commit": self._need_mamba_verify_commit})
+
+    def mark_ready(self) -> None:
+        self._require("backends", "readiness")
+        self.stage = "ready"
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, slices: list[SeqSlice], input_ids: torch.Tensor, positions: torch.Tensor,
+                capture_layers: tuple[int, ...], state_slots: list[int | None] | None = None,
+                verify: list[bool] | None = None) -> ForwardOutput:
+        """One forward over the flattened new tokens of several sequences (causal).
+        Hybrid models: state_slots[i] is sequence i's live state slot; verify[i] True keeps one
+        intermediate state per block position instead of advancing the live state."""
+        backend = self.attn_backend
+        meta = AttentionMetadata.build(slices, self.kv_cache, causal=True, device=self.device)
+        if self.facts.hybrid:
+            self.model.set_state_context(meta, state_slots, verify)
+        backend.prepare(meta)
+        with torch.inference_mode():
+            return self.model(input_ids.to(self.device), positions.to(self.device),
+                              ForwardBatch(backend, capture_layers))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden)
+
+    def commit_mamba_state(self, commits: list[tuple[int, int]]) -> None:
+        """(state slot, last committed block index) per verified sequence, right after acceptance
+        is decided for a verify batch (hybrid models)."""
+        if self.need_mamba_verify_commit:
+            self.attn_backend.update_mamba_state_after_mtp_verify(commits)
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

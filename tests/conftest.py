@@ -1,0 +1,35 @@
+"""Shared fixtures. The real model is prepared by `make test` (or on first use here)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.tiny_models import make_tiny
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct, fp32, HF format (prepared once into the models home)."""
+    from runtime.prepare.smollm2 import prepare_smollm2
+    return prepare_smollm2(["float32"], progress=False)["float32"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny_llama"), "llama", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", head_dim=32,
+                     tie_word_embeddings=False)
+
+
+@pytest.fixture
+def log_dir(tmp_path) -> Path:
+    return tmp_path
