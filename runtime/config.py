@@ -141,6 +141,13 @@ class ModelConfig:
         return ModelConfig.from_dict(read_config_json(path))
 
 
+def default_model_id(model_dir: str | Path) -> str:
+    """The directory name, or its parent's when the directory is named after a dtype
+    (models home layout: <name>/<dtype>/)."""
+    path = Path(model_dir).resolve()
+    return path.parent.name if path.name in DTYPES else path.name
+
+
 def read_config_json(path: str | Path) -> dict[str, Any]:
     file = Path(path) / "config.json"
     if not file.is_file():

@@ -2,8 +2,10 @@
 turns them (and anything unexpected) into a status with a message - never UNKNOWN."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -42,16 +44,28 @@ class NotReady(Unavailable):
 def rpc(method: Callable) -> Callable:
     """Wrap an async unary servicer method: ServiceError -> its status; other errors -> INTERNAL."""
 
+    from services.common import metrics
+
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        t0 = time.perf_counter()
+        code = grpc.StatusCode.OK
         try:
             return await method(self, request, context)
         except ServiceError as e:
+            code = e.code
             await context.abort(e.code, str(e))
         except grpc.aio.AbortError:
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            raise
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
             raise
         except Exception as e:  # a bug: report it as INTERNAL with its text, keep serving
+            code = grpc.StatusCode.INTERNAL
             log.exception("internal error in %s", method.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            metrics.observe_rpc(method.__name__, code.name, time.perf_counter() - t0)
 
     return wrapper

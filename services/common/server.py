@@ -42,6 +42,8 @@ class Readiness:
         await self.health.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def set(self, ready: bool) -> None:
+        from services.common import metrics
+        metrics.set_ready(ready)
         self.ready = ready
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         await self.health.set(self.service_name, status)

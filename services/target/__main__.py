@@ -6,8 +6,9 @@ import asyncio
 import logging
 import time
 
+from runtime.config import default_model_id
 from runtime.sampling import SamplingConfig
-from services.common import flags
+from services.common import flags, metrics
 from services.common.logs import setup_logging
 from services.common.metrics_server import start_metrics
 from services.common.server import (MiB, Readiness, build_server, install_stop_signals,
@@ -77,6 +78,7 @@ async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     config = config_from_args(args)
+    metrics.init(config.model_id or default_model_id(config.model_dir), "target")
     readiness = Readiness(target_servicer.SERVICE_NAME)
     await readiness.start()
     servicer = target_servicer.TargetServicer()

@@ -20,7 +20,7 @@ from runtime.attention.base import AttentionBackend
 from runtime.attention.hybrid import HybridAttnBackend, can_commit_mamba_state
 from runtime.attention.metadata import AttentionMetadata, SeqSlice
 from runtime.attention.registry import backend_class
-from runtime.config import dtype_name, parse_dtype
+from runtime.config import default_model_id, dtype_name, parse_dtype
 from runtime.kv_cache import PagedKVCache
 from runtime.models.forward import ForwardBatch, ForwardOutput
 from runtime.models.registry import load_model
@@ -57,7 +57,7 @@ class TargetWorker:
         self.model = load_model(config.model_dir, self.dtype, self.device)
         cfg = self.model.cfg
         self.facts = ModelFacts(
-            model_id=config.model_id or config.model_dir.rstrip("/").split("/")[-1],
+            model_id=config.model_id or default_model_id(config.model_dir),
             architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
             max_context=min(cfg.max_position, config.max_context or cfg.max_position),

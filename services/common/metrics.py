@@ -1,0 +1,104 @@
+"""Prometheus metrics of all three services (names and meanings: DESIGN.md §7).
+
+One process = one service. `init(model_name, service)` is called once at start-up; code then
+uses `get()`. Every series carries `model_name`; no label takes unbounded values (no ids).
+Spec-decode counters follow vLLM's set, so mean acceptance length is
+1 + rate(dflash_spec_accepted_tokens_total) / rate(dflash_spec_drafts_total)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Latency buckets wide enough for a 2-core CPU (seconds per step) and an H200 (ms per step).
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.04, 0.06, 0.08,
+                   0.1, 0.15, 0.25, 0.4, 0.6, 1.0, 1.5, 2.5, 4.0, 6.0, 10.0, 20.0, 40.0, 80.0,
+                   160.0, 320.0)
+BYTES_BUCKETS = tuple(float(4 ** i * 1024) for i in range(12))      # 1 KiB .. 4 GiB
+MAX_POSITIONS = 32                                                   # per-position label bound
+
+L = ["model_name"]
+
+SPEC_DRAFTS = Counter("dflash_spec_drafts", "Verify steps that carried at least one draft token", L)
+SPEC_DRAFT_TOKENS = Counter("dflash_spec_draft_tokens", "Draft tokens proposed and verified", L)
+SPEC_ACCEPTED = Counter("dflash_spec_accepted_tokens", "Draft tokens accepted by the target", L)
+SPEC_ACCEPTED_POS = Counter("dflash_spec_accepted_tokens_per_position",
+                            "Drafts accepted at block position i (counted only if 0..i all were)",
+                            L + ["position"])
+TTFT = Histogram("dflash_time_to_first_token_seconds", "Request arrival to first token", L,
+                 buckets=LATENCY_BUCKETS)
+ITL = Histogram("dflash_inter_token_latency_seconds",
+                "Time between tokens, per token (a step of n tokens counts n times)", L,
+                buckets=LATENCY_BUCKETS)
+E2E = Histogram("dflash_e2e_request_latency_seconds", "Request arrival to last token", L,
+                buckets=LATENCY_BUCKETS)
+STEP = Histogram("dflash_step_seconds", "Time per speculative step by stage "
+                 "(draft, verify: RPC round trips; gateway: the rest of the step)",
+                 L + ["stage"], buckets=LATENCY_BUCKETS)
+FEATURE_BYTES = Histogram("dflash_prefill_feature_bytes", "Bytes of prompt features per prefill",
+                          L, buckets=BYTES_BUCKETS)
+PROMPT_TOKENS = Counter("dflash_prompt_tokens", "Prompt tokens of finished requests", L)
+GENERATION_TOKENS = Counter("dflash_generation_tokens", "Generated tokens", L)
+REQUEST_SUCCESS = Counter("dflash_request_success", "Finished requests by finish reason",
+                          L + ["finished_reason"])
+RUNNING = Gauge("dflash_requests_running", "Requests being generated", L + ["service"])
+WAITING = Gauge("dflash_requests_waiting", "Requests or work items waiting", L + ["service"])
+KV_USAGE = Gauge("dflash_kv_cache_usage_ratio", "Fraction of KV pages in use", L + ["service"])
+STATE_USAGE = Gauge("dflash_state_pool_usage_ratio", "Fraction of recurrent state slots in use",
+                    L + ["service"])
+SEQUENCES = Gauge("dflash_sequences_active", "Sequences holding cache in this service",
+                  L + ["service"])
+READY = Gauge("dflash_ready", "1 when the service reports SERVING", L + ["service"])
+RPC_TOTAL = Counter("dflash_rpc_requests", "RPCs handled by method and status code",
+                    L + ["service", "method", "code"])
+RPC_SECONDS = Histogram("dflash_rpc_duration_seconds", "RPC handling time", L + ["service", "method"],
+                        buckets=LATENCY_BUCKETS)
+UPSTREAM_ERRORS = Counter("dflash_upstream_errors", "Errors of gateway calls to upstreams",
+                          L + ["upstream", "code"])
+FORWARD_SECONDS = Histogram("dflash_forward_seconds", "Engine forward time per iteration",
+                            L + ["service"], buckets=LATENCY_BUCKETS)
+FORWARD_TOKENS = Counter("dflash_forward_tokens", "Tokens put through the model", L + ["service"])
+
+
+@dataclass(frozen=True)
+class Labels:
+    model_name: str
+    service: str
+
+
+_labels: Labels | None = None
+
+
+def init(model_name: str, service: str) -> Labels:
+    """Once per process. Readiness starts at 0."""
+    global _labels
+    assert _labels is None or _labels == Labels(model_name, service), "metrics.init called twice"
+    _labels = Labels(model_name, service)
+    READY.labels(model_name, service).set(0)
+    return _labels
+
+
+def labels() -> Labels:
+    return _labels or Labels("unknown", "unknown")
+
+
+def set_ready(ready: bool) -> None:
+    lb = labels()
+    READY.labels(lb.model_name, lb.service).set(1 if ready else 0)
+
+
+def observe_rpc(method: str, code: str, seconds: float) -> None:
+    lb = labels()
+    RPC_TOTAL.labels(lb.model_name, lb.service, method, code).inc()
+    RPC_SECONDS.labels(lb.model_name, lb.service, method).observe(seconds)
+
+
+def record_acceptance(model_name: str, drafts: int, accepted: int) -> None:
+    """One verify step with `drafts` draft tokens of which the first `accepted` were accepted."""
+    if drafts <= 0:
+        return
+    SPEC_DRAFTS.labels(model_name).inc()
+    SPEC_DRAFT_TOKENS.labels(model_name).inc(drafts)
+    SPEC_ACCEPTED.labels(model_name).inc(accepted)
+    for pos in range(min(accepted, MAX_POSITIONS)):
+        SPEC_ACCEPTED_POS.labels(model_name, str(pos)).inc()
