@@ -1,0 +1,1 @@
+"""`dflash prepare-model`: fetch real models, convert them into Hugging Face-format directories."""
