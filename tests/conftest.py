@@ -10,6 +10,10 @@ import torch
 from support.tiny_models import make_tiny
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if not torch.cuda.is_available():
+    # Triton kernels run through its interpreter on CPU tensors (correctness only). Must be set
+    # before any @triton.jit function is created.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,8 @@ class AttentionMetadata:
     slot_mapping   int64 [T]       cache slot of each new token
     q_lens         list[int] [bs]  new tokens per sequence
     prefix_lens    list[int] [bs]  cached tokens before them
-    page_tables    int64 [bs, P]   padded with page 0
+    page_tables    int64 [bs, P]   padded with page 0 (on the device)
+    page_lists     the same page ids as host lists (planning without a device sync)
     causal         causal inside the new tokens (target); False = bidirectional block (draft)
     """
     slot_mapping: torch.Tensor
@@ -31,6 +32,7 @@ class AttentionMetadata:
     prefix_lens: list[int]
     page_tables: torch.Tensor
     page_size: int
+    page_lists: list[list[int]]
     causal: bool = True
 
     @property
@@ -59,5 +61,6 @@ class AttentionMetadata:
             prefix_lens=[s.prefix_len for s in seqs],
             page_tables=torch.tensor(tables, dtype=torch.int64, device=device),
             page_size=cache.page_size,
+            page_lists=[list(s.table.pages) for s in seqs],
             causal=causal,
         )

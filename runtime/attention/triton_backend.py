@@ -1,0 +1,57 @@
+"""Triton backend: paged attention for prefill chunks, verify blocks (causal) and the draft's
+bidirectional block, one kernel launch per layer for the whole batch."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from runtime.attention.base import AttentionBackend
+from runtime.attention.metadata import AttentionMetadata
+from runtime.attention.triton_kernels import paged_block_attention
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    BLOCK_N = 32
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        super().prepare(meta)
+        device = meta.page_tables.device
+        cu = [0]
+        for q in meta.q_lens:
+            cu.append(cu[-1] + q)
+        self.bind(torch.tensor(cu, dtype=torch.int32, device=device),
+                  torch.tensor(meta.prefix_lens, dtype=torch.int32, device=device),
+                  meta.page_tables.to(torch.int32), max(meta.q_lens))
+
+    def bind(self, cu_q: torch.Tensor, prefix: torch.Tensor, tables: torch.Tensor,
+             max_q_len: int) -> None:
+        """Point the kernel at these device buffers (CUDA graphs bind static ones once and
+        refill them before each replay). cu_q int32 [bs+1], prefix int32 [bs], tables int32 [bs, P]."""
+        self._cu_q, self._prefix, self._tables = cu_q, prefix, tables
+        group = self.num_heads // self.num_kv_heads
+        rows = max_q_len * group
+        self._block_m = max(16, min(64, _next_pow2(rows)))
+        self._grid = (prefix.shape[0], self.num_kv_heads, triton.cdiv(rows, self._block_m))
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                causal: bool | None = None, window: int | None = None) -> torch.Tensor:
+        meta = self.meta
+        causal = meta.causal if causal is None else causal
+        self.store_kv(layer, k, v, meta.slot_mapping)
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        q = q.to(kc.dtype).contiguous()
+        out = torch.empty_like(q)
+        paged_block_attention[self._grid](
+            q, kc, vc, out, self._cu_q, self._prefix, self._tables,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
+            self._tables.stride(0), self.scale,
+            GROUP=self.num_heads // self.num_kv_heads, D=self.head_dim, PAGE=meta.page_size,
+            BLOCK_M=self._block_m, BLOCK_N=self.BLOCK_N, CAUSAL=causal, WINDOW=window or 0,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
+        return out

@@ -1,0 +1,82 @@
+"""Triton kernel: attention of a block of new query tokens per sequence over its paged K/V.
+
+One program = (sequence, kv head, block of BLOCK_M query rows). The query rows of a program
+pack the GQA group: row r is token r // GROUP of the sequence's new tokens, head
+kv_head * GROUP + r % GROUP, so verify (q_len = B) and decode (q_len = 1) both fill the MMA.
+Keys are walked in BLOCK_N steps through the page table with an online softmax (fp32).
+
+  q        [T, NH, D]       new tokens of all sequences, flattened (cu_q gives the offsets)
+  k, v     [S, NKV, D]      one layer of the paged cache (S = pages * PAGE)
+  out      [T, NH, D]
+  cu_q     int32 [bs+1]     token offsets; prefix int32 [bs]: cached tokens before them
+  tables   int32 [bs, P]    page ids per sequence
+  CAUSAL:  query at position prefix+i sees keys <= prefix+i (else all prefix+q_len keys);
+  WINDOW > 0 also limits it to keys > prefix+i-WINDOW. PRECISION: "ieee" for fp32 inputs (exact
+  tests), "tf32" otherwise (ignored for 16-bit inputs).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_block_attention(
+    q, k, v, out, cu_q, prefix, tables,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
+    scale,
+    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    mblk = tl.program_id(2)
+    q_lo = tl.load(cu_q + b)
+    q_len = tl.load(cu_q + b + 1) - q_lo
+    pre = tl.load(prefix + b)
+    rows = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = tok < q_len
+    if mblk * BLOCK_M < q_len * GROUP:
+        d = tl.arange(0, D)
+        q_ptrs = q + (q_lo + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        qb = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        qpos = pre + tok                                         # absolute query positions
+        kv_len = pre + q_len
+        if CAUSAL:
+            last = tl.minimum(pre + (mblk * BLOCK_M + BLOCK_M - 1) // GROUP + 1, kv_len)
+        else:
+            last = kv_len
+        first = 0
+        if WINDOW > 0:
+            first = tl.maximum(pre + (mblk * BLOCK_M) // GROUP - WINDOW + 1, 0)
+            first = (first // BLOCK_N) * BLOCK_N
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for start in range(first, last, BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            k_ok = kpos < last
+            page = tl.load(tables + b * stride_tb + kpos // PAGE, mask=k_ok, other=0)
+            slot = page * PAGE + kpos % PAGE
+            kb = tl.load(k + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                         mask=k_ok[:, None], other=0.0)
+            s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION).to(tl.float32) * scale
+            ok = k_ok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                ok = ok & (kpos[None, :] <= qpos[:, None])
+            if WINDOW > 0:
+                ok = ok & (kpos[None, :] > qpos[:, None] - WINDOW)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vb = tl.load(v + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                         mask=k_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION).to(tl.float32)
+            m_i = m_new
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = out + (q_lo + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None])
