@@ -1,0 +1,101 @@
+"""The DFlash training forward: many blocks per sequence in one pass.
+
+For a sequence of ids [L] with target features [L, K*H], block j starts at anchor position p_j
+(a committed token of the response): input [ids[p_j], MASK x (B-1)] at positions p_j..p_j+B-1,
+context = features of positions 0..p_j-1 (exactly what the drafter sees at inference, where the
+anchor is the token the target has just produced), labels ids[p_j+1..p_j+B-1]. All blocks of a
+sequence attend to one shared context K/V with a mask: context key i is visible to block j iff
+i < p_j; block keys only inside their own block (bidirectional; sliding layers causal+window)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.models.dflash import DFlashDraftModel, TargetHead
+
+
+def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block: int, mask_id: int,
+                 lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [S, L], anchors [S, nb] -> block ids [S, nb, B], positions [S, nb, B], labels
+    [S, nb, B-1] (-100 where the position is past the sequence's end)."""
+    offs = torch.arange(block, device=ids.device)
+    pos = anchors[..., None] + offs                                   # [S, nb, B]
+    block_ids = torch.full_like(pos, mask_id)
+    block_ids[..., 0] = ids.gather(1, anchors)
+    label_pos = pos[..., 1:]
+    valid = label_pos < lengths[:, None, None]
+    labels = ids.gather(1, label_pos.clamp(max=ids.shape[1] - 1).flatten(1)).view_as(label_pos)
+    return block_ids, pos, labels.masked_fill(~valid, -100)
+
+
+def attention_mask(anchors: torch.Tensor, ctx_len: int, block: int, causal: bool,
+                   window: int | None) -> torch.Tensor:
+    """bool [S, nb*B, ctx_len + nb*B] (True = attend)."""
+    s, nb = anchors.shape
+    dev = anchors.device
+    qblk = torch.arange(nb, device=dev).repeat_interleave(block)       # [nb*B]
+    qoff = torch.arange(block, device=dev).repeat(nb)
+    qpos = anchors[:, qblk] + qoff                                    # [S, nb*B]
+    kctx = torch.arange(ctx_len, device=dev)
+    ctx_ok = kctx[None, None, :] < anchors[:, qblk][:, :, None]       # [S, nb*B, L]
+    same = qblk[:, None] == qblk[None, :]                             # [nb*B, nb*B]
+    blk_ok = same[None].expand(s, -1, -1).clone()
+    if causal:
+        blk_ok &= qoff[None, :] <= qoff[:, None]
+    if window is not None:
+        ctx_ok &= kctx[None, None, :] > qpos[:, :, None] - window
+        blk_ok &= (qoff[None, :] > qoff[:, None] - window)
+    return torch.cat([ctx_ok, blk_ok], dim=-1)
+
+
+def draft_hidden(draft: DFlashDraftModel, head: TargetHead, feats: torch.Tensor,
+                 block_ids: torch.Tensor, block_pos: torch.Tensor) -> torch.Tensor:
+    """feats [S, L, K*H], block ids/positions [S, nb, B] -> norm(hidden) [S, nb, B, H]."""
+    s, nb, b = block_ids.shape
+    L = feats.shape[1]
+    ctx = draft.project_context(feats.reshape(s * L, -1))
+    ctx_pos = torch.arange(L, device=feats.device).repeat(s)
+    x = head.embed(block_ids.reshape(-1)).to(ctx.dtype) * draft.cfg.input_embedding_scale
+    qpos = block_pos.reshape(-1)
+    anchors = block_pos[..., 0]
+    masks: dict[tuple[bool, int | None], torch.Tensor] = {}
+    for layer in draft.layers:
+        attn = layer.self_attn
+        key = (attn.causal, attn.window)
+        if key not in masks:
+            masks[key] = attention_mask(anchors, L, b, *key)[:, None]
+        h = layer.input_layernorm(x)
+        q, k, v = attn.project_qkv(h, qpos, draft.rope)
+        kc, vc = attn.context_kv(ctx, ctx_pos, draft.rope)
+        keys = torch.cat([kc.view(s, L, attn.nkv, attn.hd), k.view(s, nb * b, attn.nkv, attn.hd)], 1)
+        vals = torch.cat([vc.view(s, L, attn.nkv, attn.hd), v.view(s, nb * b, attn.nkv, attn.hd)], 1)
+        rep = attn.nh // attn.nkv
+        out = F.scaled_dot_product_attention(
+            q.view(s, nb * b, attn.nh, attn.hd).transpose(1, 2),
+            keys.repeat_interleave(rep, 2).transpose(1, 2),
+            vals.repeat_interleave(rep, 2).transpose(1, 2), attn_mask=masks[key])
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(s * nb * b, attn.q_size))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return draft.norm(x).view(s, nb, b, -1)
+
+
+def position_weights(block: int, gamma: float, device) -> torch.Tensor:
+    """[B-1]: exp(-(k-1)/gamma) for draft positions k = 1..B-1 (early positions matter most:
+    a draft is only useful while every earlier one was accepted)."""
+    k = torch.arange(1, block, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def block_loss(hidden: torch.Tensor, labels: torch.Tensor, head: TargetHead,
+               weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [S, nb, B, H], labels [S, nb, B-1] -> (weighted CE, per-position accuracy [B-1])."""
+    h = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])
+    logits = (h.to(head.lm_head_weight.dtype) @ head.lm_head_weight.t()).float()
+    flat = labels.reshape(-1)
+    ce = F.cross_entropy(logits, flat.clamp(min=0), reduction="none")
+    valid = (flat >= 0).float()
+    w = weights.repeat(labels.shape[0] * labels.shape[1]) * valid
+    loss = (ce * w).sum() / w.sum().clamp(min=1.0)
+    correct = ((logits.argmax(-1) == flat).float() * valid).view(-1, labels.shape[-1])
+    acc = correct.sum(0) / valid.view(-1, labels.shape[-1]).sum(0).clamp(min=1.0)
+    return loss, acc

@@ -1,0 +1,127 @@
+"""`dflash train-draft`: prompts -> the target's own answers -> DFlash drafter (z-lab format).
+
+  dflash train-draft --target DIR --out DIR [--device cuda] [--steps N] [--layers 2] ...
+Generated answers are cached in --work DIR (reused when present), so training can be rerun."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from services.draft.training.generate import Example, generate, load_examples, save_examples
+
+log = logging.getLogger("dflash.train")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model directory (HF format)")
+    p.add_argument("--out", required=True, help="where the drafter is written")
+    p.add_argument("--work", default="", help="cache of generated answers (default: OUT/../work)")
+    p.add_argument("--prompts", default="", help="prompt set folder (default: data/prompts)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", help="target dtype for generation/features")
+    p.add_argument("--attention-backend", default="", help="default: triton on cuda, torch on cpu")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--taps", type=int, default=5, help="target layers tapped for features")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, required=True)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch-sequences", type=int, default=32)
+    p.add_argument("--blocks-per-sequence", type=int, default=32)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--max-new-tokens", type=int, default=384)
+    p.add_argument("--sampled-temperature", type=float, default=0.7,
+                   help="second answer per prompt sampled at this temperature (0 = greedy only)")
+    p.add_argument("--concurrency", type=int, default=512)
+    p.add_argument("--limit-prompts", type=int, default=0, help="use only N training prompts")
+    p.add_argument("--eval-sequences", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generate-only", action="store_true")
+
+
+def answers(args, split: str, temperature: float, prompts: list, work: Path) -> list[Example]:
+    path = work / f"{split}_t{temperature}.jsonl"
+    if path.is_file():
+        return load_examples(path)
+    examples = asyncio.run(_generate(args, prompts, temperature))
+    save_examples(examples, path)
+    return examples
+
+
+async def _generate(args, prompts: list, temperature: float) -> list[Example]:
+    from runtime.tokenizer import ChatTokenizer
+    from services.target.config import TargetConfig
+    from services.target.engine import TargetEngine
+    from services.target.worker import TargetWorker
+    backend = args.attention_backend or ("triton" if args.device.startswith("cuda") else "torch")
+    worker = TargetWorker(TargetConfig(
+        model_dir=args.target, device=args.device, dtype=args.dtype, attention_backend=backend,
+        kv_budget_bytes=8 << 30 if args.device.startswith("cuda") else 1 << 30,
+        token_budget=max(4096, args.concurrency), max_block_size=16, lease_seconds=3600))
+    worker.alloc_memory_pools()
+    worker.init_attention_backends()
+    worker.mark_ready()
+    engine = TargetEngine(worker)
+    engine.start()
+    try:
+        t0 = time.monotonic()
+        out = await generate(engine, ChatTokenizer(args.target), prompts, temperature,
+                             args.max_new_tokens, args.seed, args.concurrency)
+        n = sum(len(e.response_ids) for e in out)
+        log.info("generated %d answers, %d tokens in %.0f s (T=%s)", len(out), n,
+                 time.monotonic() - t0, temperature)
+        return out
+    finally:
+        engine.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.common.logs import setup_logging
+    from services.draft.training.prompts import load_prompts
+    from services.draft.training.report import evaluate_splits, write_card
+    from services.draft.training.trainer import TrainConfig, train
+    setup_logging("INFO", "train-draft")
+    out = Path(args.out)
+    work = Path(args.work) if args.work else out.parent / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    folder = args.prompts or None
+    train_prompts = load_prompts("train", folder)
+    if args.limit_prompts:
+        train_prompts = random.Random(args.seed).sample(train_prompts, args.limit_prompts)
+    eval_sets = {s: load_prompts(s, folder) for s in ("eval_in", "eval_unseen")}
+    examples = answers(args, "train", 0.0, train_prompts, work)
+    if args.sampled_temperature > 0:
+        examples += answers(args, "train", args.sampled_temperature, train_prompts, work)
+    held = {s: answers(args, s, 0.0, p, work) for s, p in eval_sets.items()}
+    if args.generate_only:
+        return 0
+    cfg = TrainConfig(target_dir=args.target, out_dir=str(out), num_layers=args.layers,
+                      block_size=args.block_size, num_taps=args.taps,
+                      mask_token_id=args.mask_token_id, steps=args.steps,
+                      batch_sequences=args.batch_sequences,
+                      blocks_per_sequence=args.blocks_per_sequence, lr=args.lr,
+                      eval_sequences=min(args.eval_sequences, 64), seed=args.seed,
+                      device=args.device,
+                      feature_backend="triton" if args.device.startswith("cuda") else "torch")
+    path, summary = train(cfg, examples, held["eval_in"])
+    summary["eval"] = evaluate_splits(replace(cfg, eval_sequences=args.eval_sequences), path, held)
+    summary["command"] = "dflash train-draft " + " ".join(_argv(args))
+    (path / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_card(path, summary)
+    log.info("drafter written to %s: %s", path, json.dumps(summary["eval"]))
+    return 0
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    parts = []
+    for k, v in vars(args).items():
+        if v in (None, "", False):
+            continue
+        flag = "--" + k.replace("_", "-")
+        parts.append(flag if v is True else f"{flag} {v}")
+    return parts

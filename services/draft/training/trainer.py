@@ -1,0 +1,206 @@
+"""Step 3: train the DFlash drafter (the DFlash recipe) and export it in z-lab's format.
+
+Random anchors in the response, block = [anchor, MASK x (B-1)], context = target features before
+the anchor, cross-entropy on block positions 1..B-1 with weights exp(-(k-1)/gamma); AdamW,
+cosine schedule with warm-up, bf16 autocast, gradient clipping; periodic held-out acceptance."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.config import read_config_json
+from runtime.models.dflash import (DFlashConfig, DFlashDraftModel, TargetFingerprint, TargetHead,
+                                   init_random, save_dflash)
+from runtime.models.registry import build_empty
+from services.draft.training.acceptance import AcceptanceStats, simulate
+from services.draft.training.blocks import block_inputs, block_loss, draft_hidden, position_weights
+from services.draft.training.features import FeatureExtractor
+from services.draft.training.generate import Example
+
+log = logging.getLogger("dflash.train")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    target_dir: str
+    out_dir: str
+    num_layers: int = 2
+    block_size: int = 16
+    target_layer_ids: tuple[int, ...] = ()     # () = spread over the target (see default_taps)
+    num_taps: int = 5
+    mask_token_id: int = 0
+    steps: int = 2000
+    batch_sequences: int = 16
+    blocks_per_sequence: int = 32
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float = 7.0
+    max_len: int = 768
+    eval_every: int = 250
+    eval_sequences: int = 64
+    seed: int = 0
+    device: str = "cuda"
+    feature_backend: str = "triton"
+    extra: dict = field(default_factory=dict)
+
+
+def default_taps(num_target_layers: int, k: int) -> tuple[int, ...]:
+    """k ids spread evenly over [1, T-3] (DFlash's rule, with k taps)."""
+    if k == 1:
+        return (num_target_layers // 2,)
+    return tuple(int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k))
+
+
+def draft_config_dict(cfg: TrainConfig, target_raw: dict, taps: tuple[int, ...]) -> dict:
+    """Qwen3-style layers shaped like the target's (hidden, heads, head_dim, FFN)."""
+    hidden = int(target_raw["hidden_size"])
+    heads = int(target_raw["num_attention_heads"])
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": hidden, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(target_raw.get("num_key_value_heads") or heads),
+        "head_dim": int(target_raw.get("head_dim") or hidden // heads),
+        "intermediate_size": int(target_raw["intermediate_size"]),
+        "rms_norm_eps": float(target_raw.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(target_raw.get("rope_theta", 10000.0)),
+        "max_position_embeddings": int(target_raw.get("max_position_embeddings", 8192)),
+        "vocab_size": int(target_raw["vocab_size"]), "tie_word_embeddings": False,
+        "attention_bias": False, "hidden_act": "silu", "block_size": cfg.block_size,
+        "dflash_config": {"target_layer_ids": list(taps), "mask_token_id": cfg.mask_token_id},
+        "target_fingerprint": TargetFingerprint.of_target(cfg.target_dir).to_dict(),
+        "dtype": "bfloat16",
+    }
+
+
+class Batcher:
+    """Random batches of examples; sequences cut at max_len; anchors inside the response."""
+
+    def __init__(self, examples: list[Example], cfg: TrainConfig, rng: random.Random) -> None:
+        self.examples = [e for e in examples if len(e.response_ids) >= 2]
+        self.cfg, self.rng = cfg, rng
+
+    def sample(self, n: int) -> list[Example]:
+        return self.rng.sample(self.examples, min(n, len(self.examples)))
+
+    def tensors(self, batch: list[Example], device) -> tuple[torch.Tensor, ...]:
+        """ids [S, L] (0-padded), prompt lengths [S], lengths [S]."""
+        seqs = [e.ids[: self.cfg.max_len] for e in batch]
+        L = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), L, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        plen = torch.tensor([min(len(e.prompt_ids), len(s) - 2) for e, s in zip(batch, seqs)])
+        lens = torch.tensor([len(s) for s in seqs])
+        return ids.to(device), plen.to(device), lens.to(device)
+
+    def anchors(self, plen: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """[S, nb] random anchor positions in [prompt_len, len-2] (with replacement if short)."""
+        nb = self.cfg.blocks_per_sequence
+        rows = []
+        for p, n in zip(plen.tolist(), lens.tolist()):
+            choices = list(range(p, n - 1))
+            pick = self.rng.sample(choices, nb) if len(choices) >= nb else \
+                [self.rng.choice(choices) for _ in range(nb)]
+            rows.append(sorted(pick))
+        return torch.tensor(rows, device=plen.device)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def evaluate(draft, head, extractor, batcher, examples: list[Example], cfg: TrainConfig
+             ) -> AcceptanceStats:
+    total = AcceptanceStats(per_position=[0] * (cfg.block_size - 1))
+    draft.eval()
+    for i in range(0, len(examples), cfg.batch_sequences):
+        chunk = examples[i: i + cfg.batch_sequences]
+        ids, plen, lens = batcher.tensors(chunk, cfg.device)
+        feats = extractor([e.ids[: cfg.max_len] for e in chunk])
+        with torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16):
+            total.merge(simulate(draft, head, feats, ids, plen, lens, cfg.block_size))
+    draft.train()
+    return total
+
+
+def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[Example]
+          ) -> tuple[Path, dict]:
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    target_raw = read_config_json(cfg.target_dir)
+    taps = cfg.target_layer_ids or default_taps(int(target_raw["num_hidden_layers"]), cfg.num_taps)
+    raw = draft_config_dict(cfg, target_raw, taps)
+    dcfg = DFlashConfig.from_dict(raw)
+    draft = build_empty(DFlashDraftModel, dcfg, cfg.device, torch.float32)
+    init_random(draft, cfg.seed)
+    draft.train()
+    head = TargetHead.load(cfg.target_dir, torch.bfloat16, cfg.device)
+    extractor = FeatureExtractor(cfg.target_dir, taps, cfg.batch_sequences * cfg.max_len + 1024,
+                                 torch.bfloat16, cfg.device, cfg.feature_backend)
+    batcher = Batcher(train_examples, cfg, rng)
+    decay = [p for n, p in draft.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in draft.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr,
+                            betas=(0.9, 0.95))
+    weights = position_weights(cfg.block_size, cfg.gamma, cfg.device)
+    history: list[dict] = []
+    t0 = time.monotonic()
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        batch = batcher.sample(cfg.batch_sequences)
+        ids, plen, lens = batcher.tensors(batch, cfg.device)
+        feats = extractor([e.ids[: cfg.max_len] for e in batch])
+        anchors = batcher.anchors(plen, lens)
+        bids, bpos, labels = block_inputs(ids, anchors, cfg.block_size, cfg.mask_token_id, lens)
+        with torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16):
+            hidden = draft_hidden(draft, head, feats, bids, bpos)
+            loss, acc = block_loss(hidden, labels, head, weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        opt.step()
+        if step % 25 == 0 or step == cfg.steps - 1:
+            loss_v, acc_v = float(loss.detach()), acc.detach()
+            _progress(step, cfg.steps, loss_v, acc_v, float(gnorm), time.monotonic() - t0)
+            history.append({"step": step, "loss": round(loss_v, 4),
+                            "acc_pos1": round(float(acc_v[0]), 4)})
+        if eval_examples and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
+            st = evaluate(draft, head, extractor, batcher, eval_examples[: cfg.eval_sequences], cfg)
+            history[-1]["eval_tau"] = round(st.tau, 3)
+            log.info("step %d held-out tau %.3f", step + 1, st.tau)
+    out = save_dflash(draft, cfg.out_dir, dtype=torch.bfloat16)
+    summary = {"config": {k: v for k, v in asdict(cfg).items() if k != "extra"},
+               "target_layer_ids": list(taps), "history": history,
+               "train_seconds": round(time.monotonic() - t0, 1),
+               "num_train_examples": len(batcher.examples)}
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return out, summary
+
+
+def _progress(step: int, total: int, loss: float, acc: torch.Tensor, gnorm: float,
+              seconds: float) -> None:
+    width = 30
+    done = int(width * (step + 1) / total)
+    bar = "#" * done + "." * (width - done)
+    sys.stderr.write(f"\r[{bar}] {step + 1}/{total} loss {loss:.3f} acc@1 {float(acc[0]):.3f} "
+                     f"acc@4 {float(acc[min(3, len(acc) - 1)]):.3f} |g| {gnorm:.2f} {seconds:.0f}s")
+    sys.stderr.flush()
+    if step + 1 == total:
+        sys.stderr.write("\n")
