@@ -1,0 +1,43 @@
+"""Draft service configuration (one frozen dataclass; flags and DFLASH_* env fill it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.config import DTYPES
+
+FEATURE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    target_dir: str                    # the target's HF directory: embedding, LM head, fingerprint
+    model_dir: str = ""                # the drafter checkpoint (dflash); unused by prompt lookup
+    drafter: str = "dflash"            # a name in services.draft.drafter.DRAFTERS
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention_backend: str = "torch"
+    kv_budget_bytes: int = 256 << 20   # context KV pages
+    page_size: int = 16
+    max_block_size: int = 0            # 0 = the drafter's block size
+    block_size: int = 8                # prompt lookup: the advertised block size
+    max_ngram: int = 4                 # prompt lookup: longest suffix n-gram tried
+    min_ngram: int = 1
+    token_budget: int = 4096           # feature rows + block tokens per engine iteration
+    lease_seconds: float = 120.0
+    feature_dtype: str = "bfloat16"    # the dtype Propose features must arrive in
+    model_id: str = ""
+    warmup_delay_s: float = 0.0        # tests: make warm-up observably slow
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; allowed: {sorted(DTYPES)}")
+        if self.feature_dtype not in FEATURE_DTYPES:
+            raise ValueError(f"feature dtype {self.feature_dtype!r} is not supported; "
+                             f"allowed: {list(FEATURE_DTYPES)}")
+        if self.page_size < 1 or self.block_size < 1 or self.max_block_size < 0:
+            raise ValueError("page_size and block_size must be >= 1, max_block_size >= 0")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, "
+                             f"{self.max_ngram}")

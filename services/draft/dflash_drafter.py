@@ -1,0 +1,188 @@
+"""The DFlash drafter: per-sequence context K/V in a paged cache, one non-causal block forward.
+
+Per engine iteration, over all sequences of the batch:
+  1. append: new feature rows [N, K*H] -> fc + hidden_norm -> per layer k_norm(k_proj), v_proj,
+     RoPE at their positions -> stored at the sequences' context slots (never recomputed).
+  2. block: [anchor, MASK x (B-1)] at positions L..L+B-1 attends over context + block
+     (causal=False; sliding layers causal with their window). The block's K/V go to the slots
+     past the context and are dropped afterwards (trim): only committed context stays.
+  3. drafts = argmax of the target LM head over block positions 1..B-1."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.attention.base import AttentionBackend
+from runtime.attention.metadata import AttentionMetadata, SeqSlice
+from runtime.attention.registry import backend_class
+from runtime.config import default_model_id, parse_dtype
+from runtime.kv_cache import PagedKVCache
+from runtime.models.dflash import (
+    DFlashConfig,
+    TargetFingerprint,
+    TargetHead,
+    checkpoint_shapes,
+    load_dflash,
+)
+from runtime.models.forward import ForwardBatch
+from services.draft.config import DraftConfig
+from services.draft.drafter import Drafter, DrafterFacts, DrafterRefused, ProposeItem
+
+log = logging.getLogger("dflash.draft.dflash")
+
+
+@dataclass
+class BlockOutput:
+    drafts: list[list[int]]         # per item, B-1 tokens ([] for B = 1)
+    hidden: torch.Tensor | None     # [sum of B over items with B > 1, H] after the final norm
+
+
+def compatibility_problems(cfg: DFlashConfig, fc_shape: tuple[int, ...] | None,
+                           target: TargetFingerprint) -> list[str]:
+    """Everything that stops this drafter from serving `target`, each as expected vs got."""
+    problems = list(cfg.target_fingerprint.differences(target)) if cfg.target_fingerprint else []
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary: "
+                        f"expected an id in [0, {target.vocab_size})")
+    if cfg.hidden_size != target.hidden_size:
+        problems.append(f"draft hidden_size {cfg.hidden_size} != target hidden_size "
+                        f"{target.hidden_size} (the draft embeds with the target's embedding)")
+    width = len(cfg.target_layer_ids) * target.hidden_size
+    if fc_shape is not None and (len(fc_shape) != 2 or fc_shape[1] != width):
+        problems.append(f"fc.weight input width {fc_shape[1] if len(fc_shape) == 2 else fc_shape} "
+                        f"!= K*H_target = {len(cfg.target_layer_ids)} x {target.hidden_size} = "
+                        f"{width}")
+    ids = cfg.target_layer_ids
+    if len(set(ids)) != len(ids) or not all(0 <= i < target.num_layers for i in ids):
+        problems.append(f"target_layer_ids {list(ids)} must be distinct ids in "
+                        f"[0, {target.num_layers}) (the target has {target.num_layers} layers)")
+    if cfg.block_size < 2:
+        problems.append(f"block_size {cfg.block_size}: expected >= 2")
+    return problems
+
+
+class DFlashDrafter(Drafter):
+    def __init__(self, config: DraftConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = parse_dtype(config.dtype)
+        cfg, shapes = _read_checkpoint(config.model_dir)
+        target = TargetFingerprint.of_target(config.target_dir)
+        problems = compatibility_problems(
+            cfg, shapes.get("fc.weight", shapes.get("model.fc.weight")), target)
+        if problems:
+            raise DrafterRefused(f"drafter {config.model_dir} cannot serve target "
+                                 f"{config.target_dir}:\n  - " + "\n  - ".join(problems))
+        try:
+            self.model = load_dflash(config.model_dir, self.dtype, self.device)
+        except ValueError as e:
+            raise DrafterRefused(str(e)) from None
+        self.head = TargetHead.load(config.target_dir, self.dtype, self.device)
+        self.facts = DrafterFacts(
+            kind="dflash", model_id=config.model_id or default_model_id(config.model_dir),
+            block_size=cfg.block_size, max_block_size=config.max_block_size or cfg.block_size,
+            target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
+            hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+            max_context=cfg.base.max_position, feature_dtype=config.feature_dtype,
+            needs_features=True, needs_tokens=False, target=cfg.target_fingerprint or target)
+        if self.facts.max_block_size > cfg.block_size:
+            log.warning("max block size above the trained block size", extra={
+                "max_block_size": self.facts.max_block_size, "trained": cfg.block_size})
+        self.cache: PagedKVCache | None = None
+        self.backend: AttentionBackend | None = None
+
+    # -- start-up ----------------------------------------------------------------------------
+    def init_backend(self) -> None:
+        base = self.model.cfg.base
+        per_page = PagedKVCache.bytes_per_page(base.num_layers, base.num_kv_heads, base.head_dim,
+                                               self.config.page_size, self.dtype)
+        pages = self.config.kv_budget_bytes // per_page
+        self.cache = PagedKVCache(base.num_layers, base.num_kv_heads, base.head_dim,
+                                  self.config.page_size, int(pages), self.dtype, self.device)
+        cls = backend_class(self.config.attention_backend)
+        self.backend = cls(self.cache, base.num_heads, base.num_kv_heads, base.head_dim,
+                           base.head_dim ** -0.5)
+        log.info("draft KV cache and backend built", extra={
+            "pages": self.cache.usable_pages, "tokens": self.cache.usable_pages * self.cache.page_size,
+            "backend": self.backend.name})
+
+    # -- engine thread -----------------------------------------------------------------------
+    def reserve(self, item: ProposeItem) -> None:
+        block = item.block_size if item.block_size > 1 else 0
+        self.cache.ensure(item.seq.table, item.context_len + block)
+
+    def release(self, seq) -> None:
+        self.cache.release(seq.table)
+
+    def kv_usage(self) -> float:
+        return self.cache.usage() if self.cache is not None else 0.0
+
+    def propose(self, items: list[ProposeItem]) -> list[list[int]]:
+        return self.run(items).drafts
+
+    def run(self, items: list[ProposeItem]) -> BlockOutput:
+        """Append every item's new features, then one block forward over all items with B > 1."""
+        try:
+            with torch.inference_mode():
+                self.append([i for i in items if i.num_new > 0])
+                blocks = [i for i in items if i.block_size > 1]
+                hidden = self.forward_blocks(blocks) if blocks else None
+                drafts = self._greedy(blocks, hidden)
+        finally:
+            for item in items:      # the block's K/V slots are never committed
+                self.cache.trim(item.seq.table, item.context_len)
+        return BlockOutput([drafts.get(id(i), []) for i in items], hidden)
+
+    def append(self, items: list[ProposeItem]) -> None:
+        if not items:
+            return
+        feats = torch.cat([i.features for i in items]).to(self.device)          # [N, K*H]
+        positions = torch.cat([torch.arange(i.start, i.context_len) for i in items])
+        slots = [s for i in items for s in self.cache.slots(i.seq.table, i.start, i.context_len)]
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        for layer, (k, v) in enumerate(self.model.context_kv(feats, positions.to(self.device))):
+            self.backend.store_kv(layer, k, v, slot_mapping)
+
+    def forward_blocks(self, items: list[ProposeItem]) -> torch.Tensor:
+        """norm(hidden) [sum B, H] of each item's block [anchor, MASK x (B-1)] at L..L+B-1."""
+        slices = [SeqSlice(i.seq.table, i.context_len, i.block_size) for i in items]
+        meta = AttentionMetadata.build(slices, self.cache, causal=False, device=self.device)
+        self.backend.prepare(meta)
+        mask = self.facts.mask_token_id
+        ids = [t for i in items for t in [i.anchor] + [mask] * (i.block_size - 1)]
+        positions = torch.cat([torch.arange(i.context_len, i.context_len + i.block_size)
+                               for i in items])
+        x = self.head.embed(torch.tensor(ids, device=self.device))
+        scale = self.model.cfg.input_embedding_scale
+        if scale != 1.0:
+            x = x * scale
+        return self.model(x, positions.to(self.device), ForwardBatch(self.backend))
+
+    def _greedy(self, items: list[ProposeItem], hidden: torch.Tensor | None
+                ) -> dict[int, list[int]]:
+        if hidden is None:
+            return {}
+        rows, offset = [], 0
+        for i in items:
+            rows.extend(range(offset + 1, offset + i.block_size))
+            offset += i.block_size
+        tokens = self.head.greedy(hidden[rows]).tolist()
+        out, k = {}, 0
+        for i in items:
+            out[id(i)] = tokens[k: k + i.block_size - 1]
+            k += i.block_size - 1
+        return out
+
+
+def _read_checkpoint(model_dir: str) -> tuple[DFlashConfig, dict[str, tuple[int, ...]]]:
+    if not model_dir:
+        raise DrafterRefused("the dflash drafter needs --model DIR (a z-lab format checkpoint)")
+    try:
+        cfg = DFlashConfig.from_dir(model_dir)
+        shapes = checkpoint_shapes(model_dir)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise DrafterRefused(f"draft checkpoint {Path(model_dir)} is unusable: {e}") from None
+    return cfg, shapes

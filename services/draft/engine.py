@@ -1,0 +1,186 @@
+"""The draft engine: sequence table, leases, and the batched step. Each iteration appends the new
+context of every Propose in it and drafts all their blocks in one forward (through the drafter).
+All sequence state is touched only on the engine thread; at most one work per sequence runs per
+iteration (a second one waits for the next), so Propose and Release of a sequence keep their order."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from runtime.kv_cache import OutOfPages
+from services.common import metrics
+from services.common.engine_loop import EngineLoop, Work
+from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, ServiceError
+from services.draft.config import DraftConfig
+from services.draft.drafter import Drafter, ProposeItem
+from services.draft.sequence import DraftSequence
+
+log = logging.getLogger("dflash.draft.engine")
+
+
+@dataclass(frozen=True)
+class ProposeCall:
+    """A validated Propose: positions are start..start+num_new-1 (consecutive)."""
+    seq_id: str
+    start: int
+    num_new: int
+    features: torch.Tensor | None        # [num_new, K*H] CPU, or None (prompt lookup / no rows)
+    token_ids: list[int]
+    anchor: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class ProposeResult:
+    draft_tokens: list[int]
+    context_len: int
+
+
+class DraftEngine:
+    def __init__(self, drafter: Drafter, config: DraftConfig) -> None:
+        self.drafter = drafter
+        self.config = config
+        self.seqs: dict[str, DraftSequence] = {}
+        self.loop = EngineLoop(self._step, config.token_budget, name="draft-engine",
+                               on_idle=self._expire_leases)
+        self.stats = EngineStats()
+        self._last_lease_check = time.monotonic()
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+
+    # -- API used by the servicer (awaitable) ------------------------------------------------
+    async def propose(self, call: ProposeCall) -> ProposeResult:
+        return await self.loop.submit(Work("propose", call.seq_id, call,
+                                           cost=call.num_new + call.block_size))
+
+    async def release(self, seq_id: str) -> bool:
+        return await self.loop.submit(Work("release", seq_id, None, cost=0))
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _step(self, batch: list[tuple[Work, int]]) -> None:
+        self._maybe_expire()
+        seen: set[str] = set()
+        admitted: list[tuple[Work, ProposeItem]] = []
+        for work, _ in batch:
+            if work.seq_id in seen:
+                continue                    # stays queued: runs next iteration, in order
+            seen.add(work.seq_id)
+            if work.kind == "release":
+                work.resolve(self._release(work.seq_id))
+                continue
+            try:
+                admitted.append((work, self._admit(work.payload)))
+            except ServiceError as e:
+                work.fail(e)
+        if admitted:
+            self._run(admitted)
+        self._update_gauges()
+
+    def _admit(self, call: ProposeCall) -> ProposeItem:
+        """Checks that the call continues its sequence (or starts one at position 0), then
+        reserves its memory. Raises NotFound / InvalidArgument / ResourceExhausted."""
+        seq = self.seqs.get(call.seq_id)
+        created = seq is None or (call.num_new > 0 and call.start == 0 and seq.context_len > 0)
+        if seq is None and (call.num_new == 0 or call.start != 0):
+            raise NotFound(f"unknown sequence {call.seq_id!r}: never proposed, released, or its "
+                           f"lease expired; send its whole context again from position 0")
+        if created:
+            if seq is not None:             # position 0 again: the gateway restarts it
+                self._release(call.seq_id)
+            seq = self.seqs[call.seq_id] = DraftSequence(call.seq_id)
+        elif call.num_new > 0 and call.start != seq.context_len:
+            raise InvalidArgument(
+                f"positions must continue the sequence's context: expected the first position "
+                f"to be {seq.context_len} (or 0 to restart), got {call.start}")
+        item = ProposeItem(seq, seq.context_len, call.num_new, call.features, call.token_ids,
+                           call.anchor, call.block_size)
+        try:
+            self._check_context(item)
+            self.drafter.reserve(item)
+        except OutOfPages as e:
+            self._drop_if(created, call.seq_id)
+            raise ResourceExhausted(f"draft {e}") from None
+        except ServiceError:
+            self._drop_if(created, call.seq_id)
+            raise
+        return item
+
+    def _drop_if(self, created: bool, seq_id: str) -> None:
+        if created:
+            self._release(seq_id)
+
+    def _check_context(self, item: ProposeItem) -> None:
+        limit = self.drafter.facts.max_context
+        if item.context_len + item.block_size > limit:
+            raise InvalidArgument(
+                f"context of {item.context_len} positions plus a block of {item.block_size} "
+                f"passes the drafter's max context {limit}; at most "
+                f"{max(0, limit - item.context_len)} block positions fit")
+
+    def _run(self, admitted: list[tuple[Work, ProposeItem]]) -> None:
+        t0 = time.perf_counter()
+        items = [item for _, item in admitted]
+        drafts = self.drafter.propose(items)
+        for (work, item), tokens in zip(admitted, drafts):
+            item.seq.context_len = item.context_len
+            item.seq.touch()
+            work.resolve(ProposeResult(tokens, item.context_len))
+        seconds = time.perf_counter() - t0
+        tokens = sum(i.num_new + i.block_size for i in items)
+        self.stats.record(len(items), tokens, seconds)
+        lb = metrics.labels()
+        metrics.FORWARD_SECONDS.labels(lb.model_name, lb.service).observe(seconds)
+        metrics.FORWARD_TOKENS.labels(lb.model_name, lb.service).inc(tokens)
+
+    def _update_gauges(self) -> None:
+        lb = metrics.labels()
+        metrics.KV_USAGE.labels(lb.model_name, lb.service).set(self.drafter.kv_usage())
+        metrics.SEQUENCES.labels(lb.model_name, lb.service).set(len(self.seqs))
+        metrics.WAITING.labels(lb.model_name, lb.service).set(self.loop.waiting)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def _release(self, seq_id: str) -> bool:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            return False
+        self.drafter.release(seq)
+        return True
+
+    def _maybe_expire(self) -> None:
+        if time.monotonic() - self._last_lease_check > 1.0:
+            self._expire_leases()
+
+    def _expire_leases(self) -> None:
+        self._last_lease_check = now = time.monotonic()
+        lease = self.config.lease_seconds
+        expired = [s.seq_id for s in self.seqs.values() if now - s.last_used > lease]
+        for seq_id in expired:
+            log.info("lease expired", extra={"seq": seq_id})
+            self._release(seq_id)
+            self.stats.expired += 1
+        if expired:
+            self._update_gauges()
+
+
+class EngineStats:
+    def __init__(self) -> None:
+        self.batches = 0
+        self.proposals = 0
+        self.max_batch = 0
+        self.tokens = 0
+        self.seconds = 0.0
+        self.expired = 0
+
+    def record(self, batch_size: int, tokens: int, seconds: float) -> None:
+        self.batches += 1
+        self.proposals += batch_size
+        self.max_batch = max(self.max_batch, batch_size)
+        self.tokens += tokens
+        self.seconds += seconds

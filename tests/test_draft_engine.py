@@ -1,0 +1,101 @@
+"""The draft engine in-process: many Proposes in one iteration, leases, memory pressure."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.errors import NotFound, ResourceExhausted
+from services.draft.config import DraftConfig
+from services.draft.dflash_drafter import DFlashDrafter
+from services.draft.engine import DraftEngine, ProposeCall
+from services.draft.make_random import make_random_drafter
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny_qwen3_dir: Path, tmp_path_factory) -> Path:
+    return make_random_drafter(tiny_qwen3_dir, tmp_path_factory.mktemp("draft"), num_layers=1,
+                               block_size=8, seed=2)
+
+
+def start_engine(draft: Path, target: Path, **overrides) -> DraftEngine:
+    cfg = DraftConfig(target_dir=str(target), model_dir=str(draft), page_size=4, **overrides)
+    drafter = DFlashDrafter(cfg)
+    drafter.init_backend()
+    engine = DraftEngine(drafter, cfg)
+    engine.start()
+    return engine
+
+
+def calls(seed: int) -> list[ProposeCall]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [3, 17, 1, 9, 30, 5, 12, 2]
+    return [ProposeCall(f"q{i}", 0, n, torch.randn(n, 64, generator=gen).to(torch.bfloat16), [],
+                        int(torch.randint(0, 256, (1,), generator=gen)), 8)
+            for i, n in enumerate(lengths)]
+
+
+def test_concurrent_proposes_run_as_one_batch(tiny_draft, tiny_qwen3_dir):
+    batched = start_engine(tiny_draft, tiny_qwen3_dir)
+    single = start_engine(tiny_draft, tiny_qwen3_dir)
+
+    async def together():
+        gate, running = threading.Event(), threading.Event()
+        batched.loop.call(lambda: (running.set(), gate.wait(10)))   # hold the engine thread
+        await asyncio.to_thread(running.wait, 10)
+        tasks = [asyncio.create_task(batched.propose(c)) for c in calls(1)]
+        await asyncio.sleep(0.05)                                   # all 8 are queued
+        gate.set()
+        return await asyncio.gather(*tasks)
+
+    async def one_by_one():
+        return [await single.propose(c) for c in calls(1)]
+
+    try:
+        got, want = asyncio.run(together()), asyncio.run(one_by_one())
+    finally:
+        batched.stop()
+        single.stop()
+    assert batched.stats.batches == 1 and batched.stats.max_batch == 8
+    assert single.stats.max_batch == 1
+    assert got == want
+    assert all(len(r.draft_tokens) == 7 for r in got)
+
+
+def test_lease_expiry_frees_the_cache(tiny_draft, tiny_qwen3_dir):
+    engine = start_engine(tiny_draft, tiny_qwen3_dir, lease_seconds=0.3)
+    try:
+        first = calls(2)[1]
+        asyncio.run(engine.propose(first))
+        assert engine.drafter.kv_usage() > 0
+        deadline = time.monotonic() + 5
+        while engine.seqs and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not engine.seqs and engine.stats.expired == 1
+        assert engine.drafter.kv_usage() == 0
+        more = ProposeCall(first.seq_id, first.num_new, 1, first.features[:1], [], 3, 8)
+        with pytest.raises(NotFound, match="lease expired"):
+            asyncio.run(engine.propose(more))
+    finally:
+        engine.stop()
+
+
+def test_out_of_pages_fails_only_that_sequence(tiny_draft, tiny_qwen3_dir):
+    # K+V of one layer, 2 kv heads x 32 x fp32: 512 B per token; 12 KiB = 6 pages of 4 tokens,
+    # 5 usable (page 0 is scratch)
+    engine = start_engine(tiny_draft, tiny_qwen3_dir, kv_budget_bytes=12 << 10)
+    big, small = calls(3)[4], calls(3)[0]          # 30 rows + block 8; 3 rows + block 8
+    try:
+        with pytest.raises(ResourceExhausted, match="draft KV cache full"):
+            asyncio.run(engine.propose(big))
+        assert big.seq_id not in engine.seqs
+        result = asyncio.run(engine.propose(small))
+        assert len(result.draft_tokens) == 7 and result.context_len == 3
+        # the block's pages were given back: only the 3 context rows hold a page
+        assert engine.drafter.cache.used_pages == 1
+    finally:
+        engine.stop()
