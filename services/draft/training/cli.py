@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="second answer per prompt sampled at this temperature (0 = greedy only)")
     p.add_argument("--concurrency", type=int, default=512)
     p.add_argument("--limit-prompts", type=int, default=0, help="use only N training prompts")
+    p.add_argument("--limit-eval", type=int, default=0, help="use only N prompts per held-out split")
     p.add_argument("--eval-sequences", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generate-only", action="store_true")
@@ -94,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
     if args.limit_prompts:
         train_prompts = random.Random(args.seed).sample(train_prompts, args.limit_prompts)
     eval_sets = {s: load_prompts(s, folder) for s in ("eval_in", "eval_unseen")}
+    if args.limit_eval:
+        eval_sets = {s: random.Random(args.seed).sample(p, min(args.limit_eval, len(p)))
+                     for s, p in eval_sets.items()}
     examples = answers(args, "train", 0.0, train_prompts, work)
     if args.sampled_temperature > 0:
         examples += answers(args, "train", args.sampled_temperature, train_prompts, work)

@@ -20,6 +20,7 @@ from runtime.config import read_config_json
 from runtime.models.dflash import (DFlashConfig, DFlashDraftModel, TargetFingerprint, TargetHead,
                                    init_random, save_dflash)
 from runtime.models.registry import build_empty
+from runtime.weights import read_tensors
 from services.draft.training.acceptance import AcceptanceStats, simulate
 from services.draft.training.blocks import block_inputs, block_loss, draft_hidden, position_weights
 from services.draft.training.features import FeatureExtractor
@@ -117,6 +118,19 @@ class Batcher:
         return torch.tensor(rows, device=plen.device)
 
 
+@torch.no_grad()
+def init_output_norm(draft: DFlashDraftModel, target_dir: str) -> None:
+    """The draft's final norm feeds the target's LM head, as the target's own final norm does.
+    At initialisation the draft's residual stream is little more than the input token's
+    embedding, which a tied head maps back onto that same token with a huge logit (initial CE
+    ~100 on SmolLM2). Starting from the target's norm weights scaled by 0.1 keeps the first
+    logits near uniform (CE ~ ln V) so training starts from a sane point."""
+    found = read_tensors(target_dir, {"model.norm.weight"})
+    weight = found.get("model.norm.weight")
+    draft.norm.weight.copy_(0.1 * (weight if weight is not None else draft.norm.weight).to(
+        draft.norm.weight.dtype))
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -148,6 +162,7 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
     dcfg = DFlashConfig.from_dict(raw)
     draft = build_empty(DFlashDraftModel, dcfg, cfg.device, torch.float32)
     init_random(draft, cfg.seed)
+    init_output_norm(draft, cfg.target_dir)
     draft.train()
     head = TargetHead.load(cfg.target_dir, torch.bfloat16, cfg.device)
     extractor = FeatureExtractor(cfg.target_dir, taps, cfg.batch_sequences * cfg.max_len + 1024,
