@@ -1,0 +1,85 @@
+"""Hybrid (Mamba2 + attention) test support: tiny checkpoints, transformers' reference, and
+sequences driven straight through TargetWorker.forward (prefill, decode, verify, commit)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.attention.metadata import SeqSlice
+from runtime.kv_cache import PageTable
+from runtime.prepare.tiny_hybrid import make_tiny_hybrid
+from services.target.worker import TargetWorker
+
+__all__ = ["HybridSeq", "forward_many", "hf_greedy", "hf_logits", "hf_model", "make_tiny_hybrid"]
+
+
+def hf_model(model_dir: str | Path):
+    from transformers import BambaForCausalLM
+    return BambaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' logits [len(ids), V] of one full forward (no cache)."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' generate: n greedy tokens after prompt (its cache: scan, then recurrence)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@dataclass
+class HybridSeq:
+    """A sequence with a live state slot and a page table, on a worker past
+    init_attention_backends."""
+    worker: TargetWorker
+    seq_id: str
+    table: PageTable = field(default_factory=PageTable)
+    seq_len: int = 0
+    slot: int = -1
+
+    def __post_init__(self) -> None:
+        self.slot = self.worker.state_pool.allocate(self.seq_id)
+
+    def run(self, tokens: list[int], verify: bool = False) -> torch.Tensor:
+        """tokens at positions seq_len.. -> logits [n, V]. Without verify the state and seq_len
+        advance; a verify block waits for commit()."""
+        return forward_many(self.worker, [(self, tokens, verify)])[0]
+
+    def commit(self, last: int) -> None:
+        """After a verify block: keep block positions 0..last."""
+        self.worker.commit_mamba_state([(self.slot, last)])
+        self.seq_len += last + 1
+        self.worker.kv_cache.trim(self.table, self.seq_len)
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv windows [mamba layers, C, K-1], ssm states [mamba layers, nh, hd, N]) copies."""
+        pool = self.worker.state_pool
+        return pool.conv[:, self.slot].clone(), pool.ssm[:, self.slot].clone()
+
+    def release(self) -> None:
+        self.worker.kv_cache.release(self.table)
+        self.worker.state_pool.free(self.slot)
+
+
+def forward_many(worker: TargetWorker, parts: list[tuple[HybridSeq, list[int], bool]]
+                 ) -> list[torch.Tensor]:
+    """One forward over several sequences: (sequence, new tokens, verify?) -> logits per part."""
+    slices, ids, positions = [], [], []
+    for seq, tokens, _ in parts:
+        worker.kv_cache.ensure(seq.table, seq.seq_len + len(tokens))
+        slices.append(SeqSlice(seq.table, seq.seq_len, len(tokens)))
+        ids.extend(tokens)
+        positions.extend(range(seq.seq_len, seq.seq_len + len(tokens)))
+    out = worker.forward(slices, torch.tensor(ids), torch.tensor(positions), (),
+                         [seq.slot for seq, _, _ in parts], [v for _, _, v in parts])
+    for seq, tokens, verify in parts:
+        if not verify:
+            seq.seq_len += len(tokens)
+    return list(worker.logits(out.hidden).split([len(t) for _, t, _ in parts]))

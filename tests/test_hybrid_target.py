@@ -1,0 +1,196 @@
+"""A hybrid (Mamba2 + attention) target: the start-up order of the commit decision, and real
+servers over gRPC - capabilities, state slots running out, Verify without verify states,
+and speculative verify with partial accepts equal to greedy decoding (and wrong without the
+commit)."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from support import prom
+from support.hybrid import hf_greedy, hf_model, make_tiny_hybrid
+from support.procs import free_port, start_target
+from support.target_client import TargetClient, expect_status
+
+from runtime.attention.hybrid import HybridAttnBackend, can_commit_mamba_state
+from services.common.errors import NotReady
+from services.common.tensor_codec import decode
+from services.target.config import TargetConfig
+from services.target.servicer import capabilities
+from services.target.worker import TargetWorker
+
+PROMPT = [1, 17, 42, 99, 7, 3, 250, 18, 64, 5, 77, 120, 9, 31]
+SMALL = ("--page-size", "4", "--kv-budget", "16MiB", "--max-block-size", "8")
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return make_tiny_hybrid(tmp_path_factory.mktemp("tiny_bamba"))
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="module")
+def server(hybrid_dir, logs):
+    """A hybrid target with default state flags (64 slots, all with verify states)."""
+    proc = start_target(hybrid_dir, logs, *SMALL)
+    yield proc
+    assert proc.stop() == 0
+
+
+# -- start-up order (in-process) ------------------------------------------------------------
+
+def _worker(model_dir, **config) -> TargetWorker:
+    return TargetWorker(TargetConfig(model_dir=str(model_dir), page_size=4,
+                                     kv_budget_bytes=16 << 20, max_block_size=8, **config))
+
+
+def _not_ready(worker: TargetWorker) -> str:
+    with pytest.raises(NotReady) as e:
+        _ = worker.need_mamba_verify_commit
+    return str(e.value)
+
+
+@pytest.mark.parametrize("model, config, need", [
+    ("hybrid", {}, True),
+    ("hybrid", {"mamba_commit": False}, False),      # a state backend without the method
+    ("dense", {"hybrid_wrapper": True}, False),      # a wrapper that only delegates
+])
+def test_need_mamba_verify_commit_is_decided_in_init_attention_backends(
+        hybrid_dir, tiny_llama_dir, model, config, need):
+    worker = _worker(hybrid_dir if model == "hybrid" else tiny_llama_dir, **config)
+    assert "stage 'loaded'" in _not_ready(worker)
+    worker.alloc_memory_pools()
+    assert "stage 'pools'" in _not_ready(worker)
+    worker.init_attention_backends()
+    assert worker.need_mamba_verify_commit is need
+    assert isinstance(worker.attn_backend, HybridAttnBackend)
+    assert can_commit_mamba_state(worker.attn_backend) is need
+    worker.mark_ready()
+    caps = capabilities(worker)
+    assert (caps.hybrid, caps.mamba_verify_commit) == (model == "hybrid", need)
+
+
+def test_a_hybrid_backend_without_commit_has_no_commit_method(hybrid_dir):
+    worker = _worker(hybrid_dir, mamba_commit=False)
+    worker.alloc_memory_pools()
+    worker.init_attention_backends()
+    assert not hasattr(worker.attn_backend.mamba, "commit_verified_state")
+    with pytest.raises(RuntimeError, match="no mamba state backend that can commit"):
+        worker.attn_backend.update_mamba_state_after_mtp_verify([(0, 0)])
+
+
+# -- gRPC ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow              # two target processes
+def test_capabilities_report_hybrid_commit_and_state_slots(hybrid_dir, logs, server):
+    refused = start_target(hybrid_dir, logs, *SMALL, "--no-mamba-commit", "--state-slots", "5")
+    try:
+        for proc, commit, slots in ((server, True, 64), (refused, False, 5)):
+            client = TargetClient(proc.address)
+            caps = client.capabilities()
+            assert (caps.hybrid, caps.mamba_verify_commit) == (True, commit)
+            assert caps.architecture == "bamba"
+            assert caps.state_slots_total == slots and caps.num_layers == 4
+            client.close()
+        assert "need_mamba_verify_commit=False" in refused.log()
+    finally:
+        assert refused.stop() == 0
+
+
+def test_state_slots_run_out_and_nothing_leaks(hybrid_dir, logs):
+    """3 state slots, 2 of them with verify states: a 4th Prefill is RESOURCE_EXHAUSTED (every
+    time, holding nothing); the 3rd sequence can verify 1-token blocks only."""
+    port = free_port()
+    server = start_target(hybrid_dir, logs, *SMALL, "--state-slots", "3",
+                          "--verify-state-slots", "2", "--metrics-port", str(port))
+    client = TargetClient(server.address)
+
+    def gauge(name: str) -> float | None:
+        return prom.value(port, name)
+
+    try:
+        for i in range(3):
+            client.prefill(f"s{i}", PROMPT)
+        for _ in range(3):
+            expect_status(lambda: client.prefill("s3", PROMPT), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          "all 3 state slots", "--state-slots")
+        assert gauge("dflash_state_pool_usage_ratio") == 1.0
+        assert gauge("dflash_sequences_active") == 3
+        expect_status(lambda: client.verify("s2", PROMPT[:3]), grpc.StatusCode.FAILED_PRECONDITION,
+                      "'s2' holds no verify states", "1-token blocks")
+        assert len(client.verify("s2", PROMPT[:1]).committed_tokens) == 1
+        assert client.verify("s0", PROMPT[:4]).seq_len >= len(PROMPT) + 1   # others still served
+        for i in range(3):
+            assert client.release(f"s{i}")
+        assert gauge("dflash_state_pool_usage_ratio") == 0.0
+        assert gauge("dflash_kv_cache_usage_ratio") == 0.0
+        for i in range(3):                                  # all three slots are free again
+            client.prefill(f"again{i}", PROMPT)
+        expect_status(lambda: client.prefill("again3", PROMPT), grpc.StatusCode.RESOURCE_EXHAUSTED)
+    finally:
+        client.close()
+        assert server.stop() == 0
+
+
+def speculate(client: TargetClient, seq: str, prompt: list[int], reference: list[int], n: int,
+              block: int = 6) -> tuple[list[int], int]:
+    """Greedy speculative decoding where the drafts are the reference continuation with one
+    token broken per block (so most blocks accept part of their drafts). Returns (output,
+    number of partial accepts)."""
+    out = [client.prefill(seq, prompt).next_token]
+    partial, step = 0, 0
+    while len(out) < n:
+        pos = len(out)
+        drafts = list(reference[pos: pos + block - 1])
+        if drafts:
+            k = step % len(drafts)
+            drafts[k] = (drafts[k] + 1) % 256
+        r = client.verify(seq, [out[-1]] + drafts)
+        partial += 0 < r.accepted < len(drafts)
+        out.extend(r.committed_tokens)
+        step += 1
+    client.release(seq)
+    return out[:n], partial
+
+
+@pytest.mark.slow              # two target processes
+def test_speculative_verify_equals_greedy_and_needs_the_commit(hybrid_dir, logs, server):
+    n = 40
+    reference = hf_greedy(hf_model(hybrid_dir), PROMPT, n)
+    unsafe = start_target(hybrid_dir, logs, *SMALL, "--unsafe-skip-mamba-commit")
+    try:
+        client = TargetClient(server.address)
+        assert client.greedy("ar", PROMPT, n) == reference       # 1-token blocks
+        out, partial = speculate(client, "spec", PROMPT, reference, n)
+        print(f"partial accepts: {partial}")
+        assert partial >= 5
+        assert out == reference
+        client.close()
+        client = TargetClient(unsafe.address)
+        caps = client.capabilities()
+        assert caps.mamba_verify_commit          # advertised, but skipped
+        assert client.greedy("ar", PROMPT, n) == reference       # no commit needed for B=1
+        skipped, _ = speculate(client, "spec", PROMPT, reference, n)
+        assert skipped != reference
+        client.close()
+        assert "UNSAFE testing flag" in unsafe.log()
+    finally:
+        assert unsafe.stop() == 0
+
+
+def test_prefill_features_of_a_hybrid_target_are_the_residual_stream(hybrid_dir, server):
+    """capture_layers count model layers (mamba and attention alike), as for dense targets."""
+    client = TargetClient(server.address)
+    r = client.prefill("f", PROMPT, capture_layers=(0, 1, 3), feature_dtype="float32")
+    client.release("f")
+    client.close()
+    feats = decode(r.features)
+    with torch.no_grad():
+        hs = hf_model(hybrid_dir)(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+    ref = torch.cat([hs[1][0], hs[2][0]], dim=-1)         # hidden_states[0]: the embeddings
+    assert feats.shape == (len(PROMPT), 3 * 64)
+    assert (feats[:, :128] - ref).abs().max().item() <= 1e-4
