@@ -84,9 +84,10 @@ class ModelConfig:
     max_position: int
     rope: RopeConfig
     tie_word_embeddings: bool
-    attention_bias: bool                 # bias on q/k/v projections (Qwen2)
+    attention_bias: bool                 # bias on q/k/v projections (Qwen2; Llama/Qwen3 flag)
     qk_norm: bool                        # per-head RMSNorm on q and k (Qwen3)
     mlp_bias: bool = False
+    o_proj_bias: bool = False            # Llama/Qwen3 `attention_bias` also covers o_proj
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -125,7 +126,9 @@ class ModelConfig:
             max_position=int(cfg.get("max_position_embeddings", 4096)),
             rope=RopeConfig.from_hf(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            # Qwen2 always has q/k/v biases (its config has no switch); Llama/Qwen3 follow the flag.
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_proj_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=cfg.get("hidden_act", "silu"),

@@ -31,10 +31,8 @@ class ChatTokenizer:
         self.config: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         self.chat_template: str | None = self.config.get("chat_template")
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        self.special_ids = {t.id for t in self._added_tokens() if t.special}
-
-    def _added_tokens(self):
-        return self.tokenizer.get_added_tokens_decoder().values()
+        self.special_ids = {i for i, t in self.tokenizer.get_added_tokens_decoder().items()
+                            if t.special}
 
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self.tokenizer.token_to_id(_content(text))

@@ -20,7 +20,8 @@ class TorchAttentionBackend(AttentionBackend):
         pages = meta.page_tables[:, (pos // ps).clamp(max=meta.page_tables.shape[1] - 1)]
         self._kv_index = pages * ps + pos % ps                                  # [bs, max_kv]
         self._uniform = len(set(meta.q_lens)) == 1 and len(set(kv_lens)) == 1
-        self._masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
+        # (prefix, q_len, causal, window) -> mask: built once per forward, not once per layer
+        self._masks: dict[tuple[int, int, bool, int | None], torch.Tensor | None] = {}
         self._offsets = [0]
         for q in meta.q_lens:
             self._offsets.append(self._offsets[-1] + q)
@@ -28,7 +29,14 @@ class TorchAttentionBackend(AttentionBackend):
     def _mask(self, prefix: int, q_len: int, causal: bool, window: int | None
               ) -> torch.Tensor | None:
         """bool [q_len, prefix+q_len] (True = attend), or None when every key is visible."""
-        if not causal and window is None:
+        key = (prefix, q_len, causal, window)
+        if key not in self._masks:
+            self._masks[key] = self._build_mask(prefix, q_len, causal, window)
+        return self._masks[key]
+
+    def _build_mask(self, prefix: int, q_len: int, causal: bool, window: int | None
+                    ) -> torch.Tensor | None:
+        if window is None and (not causal or q_len == 1):    # a lone query sees its whole past
             return None
         device = self.meta.page_tables.device
         qpos = prefix + torch.arange(q_len, device=device)[:, None]
@@ -65,8 +73,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _sdpa(self, q, k, v, mask) -> torch.Tensor:
         """q [b, q, nh, hd], k/v [b, kv, nkv, hd] -> [b, q, nh, hd]."""
         q, k, v = (t.transpose(1, 2) for t in (q, k.to(q.dtype), v.to(q.dtype)))
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        # GQA inside SDPA: no repeat_interleave copy of K/V per layer
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=self.num_kv_heads != self.num_heads)
         return out.transpose(1, 2)

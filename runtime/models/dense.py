@@ -21,7 +21,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -78,15 +78,20 @@ class DenseDecoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
                 ) -> ForwardOutput:
-        """input_ids, positions: int64 [T] (flattened over sequences)."""
+        """input_ids, positions: int64 [T] (flattened over sequences).
+        Captured layer i = HF `output_hidden_states[i + 1]`: the residual stream after layer i,
+        except after the last layer, where HF reports it after the final norm (so do we)."""
         x = self.embed_tokens(input_ids)
         wanted = {layer: None for layer in batch.capture_layers}
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, self.rope, batch)
             if i in wanted:
                 wanted[i] = x
+        hidden = self.norm(x)
+        if len(self.layers) - 1 in wanted:
+            wanted[len(self.layers) - 1] = hidden
         captured = torch.cat([wanted[i] for i in batch.capture_layers], dim=-1) if wanted else None
-        return ForwardOutput(hidden=self.norm(x), captured=captured)
+        return ForwardOutput(hidden=hidden, captured=captured)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in fp32."""

@@ -46,6 +46,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from runtime import bench_switches
 from runtime.config import ModelConfig, read_config_json
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rope import RotaryEmbedding
@@ -312,6 +313,9 @@ def check_fc_shape(cfg: DFlashConfig, shapes: dict[str, tuple[int, ...]], path: 
 def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu") -> DFlashDraftModel:
     cfg = DFlashConfig.from_dir(path)
+    if bench_switches.random_weights():
+        from runtime.models.registry import init_random_weights
+        return init_random_weights(build_empty(DFlashDraftModel, cfg, device, dtype))
     check_fc_shape(cfg, checkpoint_shapes(path), path)
     model = build_empty(DFlashDraftModel, cfg, device, dtype)
     load_weights(model, path, strip_prefix="model.")

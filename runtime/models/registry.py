@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runtime import bench_switches
 from runtime.config import ModelConfig, read_config_json
 from runtime.weights import load_weights
 
@@ -38,7 +39,25 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     raw = read_config_json(path)
     cls, cfg = model_class(raw)
     model = build_empty(cls, cfg, device, dtype)
+    if bench_switches.random_weights():
+        return init_random_weights(model)
+    check = getattr(model, "check_checkpoint", None)   # hybrid: layer pattern vs weights
+    if check is not None:
+        check(path)
     ignore = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if getattr(cfg, "tie_word_embeddings", False) else ())
     load_weights(model, path, ignore=ignore)
     model.eval().requires_grad_(False)
     return model
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, std: float = 0.02) -> nn.Module:
+    """Benchmark-only: Normal(0, std) matrices, unit norms, on the model's device."""
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, std)
+        elif "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.zero_()
+    return model.eval().requires_grad_(False)

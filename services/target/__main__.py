@@ -44,6 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--hybrid-wrapper", action="store_true", help="wrap the backend in the hybrid wrapper")
     flags.add(p, "--no-mamba-commit", action="store_true",
               help="testing: build a hybrid backend that cannot commit recurrent state")
+    flags.add(p, "--verify-state-slots", -1, int, "hybrid models: sequences that can verify blocks "
+              "of 2+ tokens (intermediate states; -1 = --state-slots)")
+    flags.add(p, "--unsafe-skip-mamba-commit", action="store_true",
+              help="TESTING ONLY, wrong output: advertise the mamba verify commit but skip it")
     args = p.parse_args(argv)
     if not args.model:
         p.error("--model (or DFLASH_MODEL) is required")
@@ -58,18 +62,23 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         max_block_size=args.max_block_size, token_budget=args.token_budget,
         lease_seconds=args.lease_seconds, state_slots=args.state_slots, model_id=args.model_id,
         warmup_delay_s=args.warmup_delay, hybrid_wrapper=args.hybrid_wrapper,
-        mamba_commit=not args.no_mamba_commit)
+        mamba_commit=not args.no_mamba_commit, verify_state_slots=args.verify_state_slots,
+        unsafe_skip_mamba_commit=args.unsafe_skip_mamba_commit)
 
 
 async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:
-    """A real prefill and a verify of the largest block through the engine, then release."""
+    """A real prefill and a verify of the largest block that fits (max context and KV pool)
+    through the engine, then release."""
     t0 = time.monotonic()
-    n = min(8, worker.facts.max_context - worker.config.max_block_size - 1)
+    room = min(worker.facts.max_context, worker.kv_cache.usable_pages * worker.config.page_size)
+    block = max(1, min(worker.config.max_block_size, room // 2))
+    n = max(1, min(8, room - block))
     layers = tuple(range(min(2, worker.facts.num_layers)))
+    bos = worker.facts.bos_token_id
     import torch
-    await engine.prefill(PrefillCall("__warmup__", [worker.facts.bos_token_id] * max(1, n),
-                                     SamplingConfig(), layers, torch.bfloat16))
-    await engine.verify("__warmup__", [worker.facts.bos_token_id] * worker.config.max_block_size)
+    await engine.prefill(PrefillCall("__warmup__", [bos] * n, SamplingConfig(), layers,
+                                     torch.bfloat16))
+    await engine.verify("__warmup__", [bos] * block)
     await engine.release("__warmup__")
     if worker.config.warmup_delay_s:
         await asyncio.sleep(worker.config.warmup_delay_s)

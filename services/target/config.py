@@ -22,6 +22,9 @@ class TargetConfig:
     warmup: bool = True
     warmup_delay_s: float = 0.0        # tests: make warm-up observably slow
     mamba_commit: bool = True          # tests of the hybrid path: False builds a backend that cannot commit
+    # hybrid: sequences that can verify blocks of 2+ tokens (-1 = state_slots); see runtime/state_pool.py
+    verify_state_slots: int = -1
+    unsafe_skip_mamba_commit: bool = False   # TESTING ONLY: advertise the commit, skip it (wrong)
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_block_size < 1 or self.token_budget < self.max_block_size:

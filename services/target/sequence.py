@@ -21,6 +21,7 @@ class TargetSequence:
     seq_len: int = 0            # positions whose KV (and recurrent state) is committed
     num_generated: int = 0      # output tokens committed so far, the pending anchor included
     state_slot: int | None = None   # hybrid models: live recurrent state slot
+    prefilling: bool = True         # until the last prompt chunk has run (Verify waits)
     last_used: float = field(default_factory=time.monotonic)
 
     def touch(self) -> None:

@@ -11,6 +11,9 @@ from services.target.worker import TargetWorker
 
 PROTOCOL_VERSION = 1
 SERVICE_NAME = "dflash.v1.Target"
+# worker stage -> what start-up still has to do before the target answers
+PENDING = {"loaded": "memory pools, attention backends, warm-up",
+           "pools": "attention backends, warm-up", "backends": "warm-up"}
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
@@ -25,8 +28,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         if self.worker is None:
             raise NotReady("target not ready: the model is still loading")
         if not self.worker.ready or self.engine is None:
-            raise NotReady(f"target not ready: start-up stage '{self.worker.stage}' "
-                           f"(attention backends and warm-up must finish first)")
+            stage = self.worker.stage
+            raise NotReady(f"target not ready: start-up stage '{stage}'; still to do: "
+                           f"{PENDING.get(stage, 'warm-up')}")
         return self.worker, self.engine
 
     @rpc

@@ -99,9 +99,17 @@ class TargetWorker:
         cfg = self.model.cfg
         state_bytes = 0
         if self.facts.hybrid:
+            verify_slots = self.config.verify_state_slots
             self.state_pool = self.model.make_state_pool(
-                self.config.state_slots, self.config.max_block_size, self.device)
+                self.config.state_slots, self.config.max_block_size, self.device,
+                num_verify_slots=None if verify_slots < 0 else verify_slots)
             state_bytes = self.state_pool.nbytes
+            if state_bytes >= self.config.kv_budget_bytes:
+                raise ValueError(
+                    f"the recurrent state pool alone needs {state_bytes} bytes (state slots + "
+                    f"verify slots x max block size), the memory budget is "
+                    f"{self.config.kv_budget_bytes}: raise --kv-budget or lower --state-slots / "
+                    f"--verify-state-slots / --max-block-size")
         per_page = PagedKVCache.bytes_per_page(self.num_attention_layers, cfg.num_kv_heads,
                                                cfg.head_dim, self.config.page_size, self.dtype)
         pages = max(0, self.config.kv_budget_bytes - state_bytes) // per_page
@@ -133,6 +141,9 @@ class TargetWorker:
         # exists (can it commit?) - a delegating wrapper alone never makes this True.
         self._need_mamba_verify_commit = self.facts.hybrid and can_commit_mamba_state(backend)
         self.stage = "backends"
+        if self.config.unsafe_skip_mamba_commit:
+            log.warning("UNSAFE testing flag: the mamba verify commit is advertised but skipped; "
+                        "outputs of this hybrid target are wrong")
         log.info("attention backends built", extra={
             "backend": backend.name, "need_mamba_verify_commit": self._need_mamba_verify_commit})
 
@@ -163,7 +174,7 @@ class TargetWorker:
     def commit_mamba_state(self, commits: list[tuple[int, int]]) -> None:
         """(state slot, last committed block index) per verified sequence, right after acceptance
         is decided for a verify batch (hybrid models)."""
-        if self.need_mamba_verify_commit:
+        if self.need_mamba_verify_commit and not self.config.unsafe_skip_mamba_commit:
             self.attn_backend.update_mamba_state_after_mtp_verify(commits)
 
     @property

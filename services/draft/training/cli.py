@@ -62,7 +62,7 @@ async def _generate(args, prompts: list, temperature: float) -> list[Example]:
     backend = args.attention_backend or ("triton" if args.device.startswith("cuda") else "torch")
     worker = TargetWorker(TargetConfig(
         model_dir=args.target, device=args.device, dtype=args.dtype, attention_backend=backend,
-        kv_budget_bytes=8 << 30 if args.device.startswith("cuda") else 1 << 30,
+        kv_budget_bytes=24 << 30 if args.device.startswith("cuda") else 1 << 30,
         token_budget=max(4096, args.concurrency), max_block_size=16, lease_seconds=3600))
     worker.alloc_memory_pools()
     worker.init_attention_backends()
@@ -98,10 +98,10 @@ def run(args: argparse.Namespace) -> int:
     if args.limit_eval:
         eval_sets = {s: random.Random(args.seed).sample(p, min(args.limit_eval, len(p)))
                      for s, p in eval_sets.items()}
+    held = {s: answers(args, s, 0.0, p, work) for s, p in eval_sets.items()}
     examples = answers(args, "train", 0.0, train_prompts, work)
     if args.sampled_temperature > 0:
         examples += answers(args, "train", args.sampled_temperature, train_prompts, work)
-    held = {s: answers(args, s, 0.0, p, work) for s, p in eval_sets.items()}
     if args.generate_only:
         return 0
     cfg = TrainConfig(target_dir=args.target, out_dir=str(out), num_layers=args.layers,
