@@ -1,0 +1,94 @@
+"""Does this target serve correctly, and does this draft fit it? Pure checks on capabilities;
+every problem is a sentence saying what differs and what would fit."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dflash.v1 import draft_pb2, target_pb2
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Decision:
+    problems: list[str] = field(default_factory=list)   # non-empty: refuse (NOT_SERVING)
+    notes: list[str] = field(default_factory=list)      # adjustments worth a log line
+    block_size: int = 1                                  # default verify block (anchor + drafts)
+    max_block_size: int = 1
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_target(caps: target_pb2.TargetCapabilities, local_tokenizer_hash: str) -> list[str]:
+    """Problems that make the target unusable, with or without a draft."""
+    problems = []
+    if caps.protocol_version != PROTOCOL_VERSION:
+        problems.append(f"target speaks protocol version {caps.protocol_version}; "
+                        f"this gateway speaks {PROTOCOL_VERSION}")
+    if caps.hybrid and not caps.mamba_verify_commit:
+        problems.append(f"target {caps.model_id!r} is hybrid (recurrent layers) but its attention "
+                        f"backend {caps.attention_backend!r} cannot commit recurrent state after "
+                        f"verify (mamba_verify_commit=false): its outputs would be wrong; start it "
+                        f"with a backend that commits")
+    if caps.tokenizer_hash and local_tokenizer_hash and caps.tokenizer_hash != local_tokenizer_hash:
+        problems.append(f"the gateway's tokenizer (sha256 {local_tokenizer_hash[:12]}) is not the "
+                        f"target's ({caps.tokenizer_hash[:12]}): pass --tokenizer with the target's "
+                        f"model directory")
+    if caps.max_block_size < 1:
+        problems.append("target reports max_block_size 0: it cannot verify")
+    return problems
+
+
+def check_pair(target: target_pb2.TargetCapabilities, draft: draft_pb2.DraftCapabilities,
+               requested_block: int) -> Decision:
+    """Draft vs target. The block size is the requested one, else the draft's trained one,
+    clamped to what both sides allow."""
+    problems = _pair_problems(target, draft)
+    max_block = min(target.max_block_size, draft.max_block_size or target.max_block_size)
+    block = requested_block or draft.block_size or max_block
+    notes = []
+    if block > max_block:
+        notes.append(f"block size {block} clamped to {max_block} (target max_block_size "
+                     f"{target.max_block_size}, draft max_block_size {draft.max_block_size})")
+        block = max_block
+    return Decision(problems, notes, max(1, block), max(1, max_block))
+
+
+def autoregressive(target: target_pb2.TargetCapabilities) -> Decision:
+    return Decision(block_size=1, max_block_size=max(1, target.max_block_size))
+
+
+def _pair_problems(t: target_pb2.TargetCapabilities, d: draft_pb2.DraftCapabilities) -> list[str]:
+    p = []
+    if d.protocol_version != PROTOCOL_VERSION:
+        p.append(f"draft speaks protocol version {d.protocol_version}; this gateway speaks "
+                 f"{PROTOCOL_VERSION}")
+    fp = d.target
+    if fp.vocab_size and fp.vocab_size != t.vocab_size:
+        p.append(f"draft was made for a vocabulary of {fp.vocab_size} tokens; the target has "
+                 f"{t.vocab_size}")
+    if fp.num_layers and fp.num_layers != t.num_layers:
+        p.append(f"draft was made for a target of {fp.num_layers} layers; this one has "
+                 f"{t.num_layers}")
+    if fp.tokenizer_hash and t.tokenizer_hash and fp.tokenizer_hash != t.tokenizer_hash:
+        p.append(f"draft was made for tokenizer {fp.tokenizer_hash[:12]}; the target's is "
+                 f"{t.tokenizer_hash[:12]}")
+    hidden = d.hidden_size or fp.hidden_size
+    if d.needs_features and hidden != t.hidden_size:
+        p.append(f"draft reads features of hidden size {hidden}; the target's hidden size is "
+                 f"{t.hidden_size}")
+    bad = [i for i in d.target_layer_ids if i >= t.num_layers]
+    if bad:
+        p.append(f"draft taps target layers {list(d.target_layer_ids)}; ids {bad} are outside the "
+                 f"target's layers [0, {t.num_layers})")
+    if d.needs_features and not d.target_layer_ids:
+        p.append("draft needs features but names no target layers to tap")
+    if d.needs_features and d.feature_dtype and d.feature_dtype not in t.feature_dtypes:
+        p.append(f"draft wants features as {d.feature_dtype}; the target sends "
+                 f"{list(t.feature_dtypes)}")
+    if d.mask_token_id >= t.vocab_size:
+        p.append(f"draft mask token id {d.mask_token_id} is outside the target's vocabulary "
+                 f"[0, {t.vocab_size})")
+    return p

@@ -1,0 +1,80 @@
+"""Gateway configuration: one frozen dataclass filled from flags and DFLASH_* variables."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.common import flags
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    target: str                          # HOST:PORT of the target service (required)
+    tokenizer_dir: str                   # the target's HF directory: tokenizer.json (+ chat template)
+    draft: str = ""                      # HOST:PORT of the draft service; "" = always autoregressive
+    host: str = "0.0.0.0"
+    port: int = 50050                    # gRPC dflash.v1.Gateway (0 = off)
+    http_port: int = 8000                # OpenAI-compatible HTTP API + /metrics (0 = off)
+    block_size: int = 0                  # default verify block; 0 = the draft's trained block size
+    model_name: str = ""                 # name served on the API; "" = the target's model_id
+    startup_timeout_s: float = 600.0     # target SERVING + compatible within this, else exit 1 (0 = wait forever)
+    backoff_initial_s: float = 0.1       # reconnect backoff of the health watches
+    backoff_max_s: float = 5.0
+    capabilities_timeout_s: float = 10.0
+    prefill_timeout_s: float = 300.0     # deadline of Prefill (long prompts on CPU)
+    step_timeout_s: float = 60.0         # deadline of Propose and Verify
+    release_timeout_s: float = 5.0
+    max_message_mib: int = 256           # matches the services' limit
+    keepalive_s: float = 30.0            # client pings; the services accept >= 10 s
+    max_running: int = 256               # requests in the loop at once; more wait (gauge "waiting")
+    pending_feature_mib: int = 256       # features kept for a draft that is down; past it: rebuild later
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise ValueError("--target HOST:PORT is required")
+        if not self.tokenizer_dir:
+            raise ValueError("--tokenizer DIR (the target's model directory) is required")
+        if self.keepalive_s < 10:
+            raise ValueError("--keepalive-s must be >= 10: the services reject pings more often")
+        if self.block_size < 0 or self.max_running < 1:
+            raise ValueError("--block-size must be >= 0 and --max-running >= 1")
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mib * MiB
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    flags.add(p, "--target", "", str, "target service HOST:PORT")
+    flags.add(p, "--draft", "", str, "draft service HOST:PORT ('' = autoregressive only)")
+    flags.add(p, "--tokenizer", "", str, "the target's model directory (tokenizer.json, chat template)")
+    flags.add(p, "--host", "0.0.0.0", str, "listen address")
+    flags.add(p, "--port", 50050, int, "gRPC port of dflash.v1.Gateway (0 = off)")
+    flags.add(p, "--http-port", 8000, int, "OpenAI-compatible HTTP port, also /metrics (0 = off)")
+    flags.add(p, "--block-size", 0, int, "default verify block size (0 = the draft's)")
+    flags.add(p, "--model-name", "", str, "model name on the API (default: the target's model_id)")
+    flags.add(p, "--startup-timeout", 600.0, float, "seconds for the target to be ready (0 = forever)")
+    flags.add(p, "--backoff-initial", 0.1, float, "first reconnect delay of the health watches (s)")
+    flags.add(p, "--backoff-max", 5.0, float, "largest reconnect delay (s)")
+    flags.add(p, "--prefill-timeout", 300.0, float, "deadline of a Prefill call (s)")
+    flags.add(p, "--step-timeout", 60.0, float, "deadline of Propose and Verify calls (s)")
+    flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
+    flags.add(p, "--keepalive-s", 30.0, float, "keepalive ping interval to upstreams (>= 10)")
+    flags.add(p, "--max-running", 256, int, "requests generating at once (more wait)")
+    flags.add(p, "--pending-feature-mib", 256, int, "features buffered per request while the draft is down")
+    flags.add(p, "--log-level", "INFO", str, "DEBUG | INFO | WARNING")
+
+
+def from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        target=args.target, tokenizer_dir=args.tokenizer, draft=args.draft, host=args.host,
+        port=args.port, http_port=args.http_port, block_size=args.block_size,
+        model_name=args.model_name, startup_timeout_s=args.startup_timeout,
+        backoff_initial_s=args.backoff_initial, backoff_max_s=args.backoff_max,
+        prefill_timeout_s=args.prefill_timeout, step_timeout_s=args.step_timeout,
+        max_message_mib=args.max_message_mib, keepalive_s=args.keepalive_s,
+        max_running=args.max_running, pending_feature_mib=args.pending_feature_mib,
+        log_level=args.log_level)

@@ -1,0 +1,77 @@
+"""dflash.v1.Gateway servicer: protobuf <-> GenerationRequest / events; nothing else."""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from dflash.v1 import gateway_pb2, gateway_pb2_grpc
+from gateway.errors import classify
+from gateway.loop import Event, Usage
+from gateway.request import GenerationRequest, RequestError
+from gateway.service import GatewayService
+from services.common.errors import rpc
+
+SERVICE_NAME = "dflash.v1.Gateway"
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, service: GatewayService) -> None:
+        self.service = service
+
+    async def Generate(self, request: gateway_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        arrival = time.perf_counter()
+        try:
+            self.service.require_ready()
+            req = self.service.prepare(self._from_proto(request))
+            async with contextlib.aclosing(self.service.generate(req, arrival)) as events:
+                async for event in events:
+                    yield _to_proto(event)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # noqa: BLE001 - CancelledError (client gone) is not an Exception
+            err = classify(e)
+            await context.abort(err.code, err.message)
+
+    @rpc
+    async def GetModelInfo(self, request, context) -> gateway_pb2.ModelInfo:
+        return self.service.model_info()
+
+    def _from_proto(self, msg: gateway_pb2.GenerateRequest) -> GenerationRequest:
+        which = msg.WhichOneof("prompt")
+        if which is None:
+            raise RequestError("the prompt is missing: set text or token_ids", "prompt")
+        if which == "text":
+            if not msg.text:
+                raise RequestError("the prompt text is empty", "prompt")
+            ids = self.service.state.tokenizer.encode(msg.text, add_special_tokens=True)
+        else:
+            ids = list(msg.token_ids.ids)
+        s = msg.sampling
+        return GenerationRequest(
+            prompt_ids=tuple(ids), max_tokens=msg.max_tokens or None,
+            temperature=s.temperature, top_p=s.top_p if s.HasField("top_p") else 1.0,
+            top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
+            min_tokens=s.min_tokens, stop=tuple(msg.stop), stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=msg.ignore_eos, block_size=msg.block_size,
+            skip_special_tokens=msg.skip_special_tokens, request_id=msg.request_id)
+
+
+def _to_proto(event: Event) -> gateway_pb2.GenerateResponse:
+    return gateway_pb2.GenerateResponse(
+        token_ids=event.token_ids, text=event.text, finish_reason=event.finish_reason or "",
+        accepted=event.accepted, usage=_usage(event.usage) if event.usage else None)
+
+
+def _usage(u: Usage) -> gateway_pb2.Usage:
+    return gateway_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                             verify_steps=u.verify_steps, accepted_tokens=u.accepted_tokens,
+                             draft_steps=u.draft_steps, draft_tokens=u.draft_tokens)
+
+
+def add_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> list[str]:
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+    return [SERVICE_NAME]

@@ -1,0 +1,269 @@
+"""`dflash up`: target, draft and gateway as child processes on this machine (SmolLM2-135M-Instruct
+in fp32 on CPU by default), ready when the gateway says so; Ctrl-C or SIGTERM stops all three.
+
+Each child runs in its own process group (killed as a group) and gets SIGTERM if the launcher
+itself dies (PR_SET_PDEATHSIG), so nothing is left behind."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.home import models_home
+
+DEFAULT_DRAFTER = "prompt-lookup"   # the one place to change when a trained DFlash drafter ships
+DRAFTERS = ("dflash", "prompt-lookup", "none")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    port: int = 50050                  # gateway gRPC
+    target_port: int = 50051
+    draft_port: int = 50052
+    target_metrics_port: int = 0
+    draft_metrics_port: int = 0
+    model_dir: str = ""                # "" = SmolLM2-135M-Instruct fp32, prepared on first use
+    dtype: str = "float32"
+    drafter: str = DEFAULT_DRAFTER
+    draft_model: str = ""              # dflash: checkpoint dir ("" = a random one, for trying it)
+    block_size: int = 0
+    log_dir: str = ""
+    ready_timeout_s: float = 600.0
+    quiet: bool = False
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    log_file: object = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.log_file = open(self.log_path, "w")  # noqa: SIM115 - open while the child runs
+        self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=self.log_file,
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads yet
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def tail(self, lines: int = 20) -> str:
+        text = self.log_path.read_text() if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _die_with_parent() -> None:
+    """Child side, before exec: SIGTERM when the launcher dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Stack:
+    """start() -> wait_ready() -> ... -> stop(). Children are target, draft (unless
+    drafter none) and gateway, all `python -m ...` of this interpreter."""
+
+    def __init__(self, opts: StackOptions) -> None:
+        self.opts = opts
+        self.log_dir = Path(opts.log_dir or models_home() / "logs" / time.strftime("%Y%m%d-%H%M%S"))
+        self.children: list[Child] = []
+        self.model_dir = ""
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.opts.host}:{self.opts.http_port}"
+
+    def start(self) -> None:
+        o = self.opts
+        if o.drafter not in DRAFTERS:
+            raise ValueError(f"--drafter {o.drafter!r}: allowed {list(DRAFTERS)}")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.model_dir = o.model_dir or str(_prepare_default_model(o.dtype, o.quiet))
+        self._add("target", "services.target", "--model", self.model_dir, "--dtype", o.dtype,
+                  "--port", o.target_port, "--host", o.host, "--metrics-port", o.target_metrics_port)
+        if o.drafter != "none":
+            self._add("draft", "services.draft", *self._draft_args())
+        self._add("gateway", "gateway", "--target", f"{o.host}:{o.target_port}",
+                  "--draft", f"{o.host}:{o.draft_port}" if o.drafter != "none" else "",
+                  "--tokenizer", self.model_dir, "--port", o.port, "--http-port", o.http_port,
+                  "--host", o.host, "--block-size", o.block_size)
+        for child in self.children:
+            child.start()
+
+    def _draft_args(self) -> list:
+        o = self.opts
+        args = ["--drafter", o.drafter, "--target-model", self.model_dir, "--port", o.draft_port,
+                "--host", o.host, "--metrics-port", o.draft_metrics_port]
+        if o.drafter == "dflash":
+            args += ["--model", o.draft_model or str(_random_drafter(self.model_dir, o.quiet))]
+        return args
+
+    def _add(self, name: str, module: str, *args) -> None:
+        argv = [sys.executable, "-m", module, *[str(a) for a in args]]
+        self.children.append(Child(name, argv, self.log_dir / f"{name}.log"))
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.exited() is not None), None)
+
+    def wait_ready(self) -> None:
+        """Until the gateway's /readiness is 200; raises if a child dies or time runs out."""
+        deadline = time.monotonic() + self.opts.ready_timeout_s
+        reason = "not started"
+        while time.monotonic() < deadline:
+            dead = self.dead_child()
+            if dead is not None:
+                raise RuntimeError(f"{dead.name} exited with {dead.exited()}; its log "
+                                   f"({dead.log_path}) ends with:\n{dead.tail()}")
+            ready, reason = readiness(self.http_url)
+            if ready:
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"the stack was not ready after {self.opts.ready_timeout_s:.0f} s: "
+                           f"{reason}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM to every group (gateway first), then SIGKILL what is left."""
+        for child in reversed(self.children):
+            child.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.signal_group(signal.SIGKILL)
+                child.proc.wait(5)
+            if child.log_file:
+                child.log_file.close()
+
+    def endpoints(self) -> str:
+        o = self.opts
+        lines = [f"  OpenAI API  {self.http_url}/v1",
+                 f"  gRPC        {o.host}:{o.port}  (dflash.v1.Gateway, reflection on)",
+                 f"  health      {self.http_url}/health  {self.http_url}/readiness",
+                 f"  metrics     {self.http_url}/metrics"]
+        for name, port in (("target", o.target_metrics_port), ("draft", o.draft_metrics_port)):
+            if port:
+                lines.append(f"  {name} metrics  http://{o.host}:{port}/metrics")
+        lines.append(f"  logs        {self.log_dir}")
+        return "\n".join(lines)
+
+
+def readiness(http_url: str) -> tuple[bool, str]:
+    try:
+        with urllib.request.urlopen(f"{http_url}/readiness", timeout=2) as r:
+            return True, json.loads(r.read()).get("reason", "")
+    except urllib.error.HTTPError as e:
+        try:
+            return False, json.loads(e.read()).get("reason", str(e))
+        except ValueError:
+            return False, str(e)
+    except (OSError, ValueError) as e:
+        return False, f"gateway not answering: {e}"
+
+
+def _prepare_default_model(dtype: str, quiet: bool) -> Path:
+    from runtime.prepare.smollm2 import prepare_smollm2
+    return prepare_smollm2([dtype], progress=not quiet)[dtype]
+
+
+def _random_drafter(model_dir: str, quiet: bool) -> Path:
+    """A random-weight DFlash drafter for the target (acceptance near zero: for trying the path)."""
+    from runtime.config import default_model_id
+    out = models_home() / "drafters" / f"random-{default_model_id(model_dir)}"
+    if not (out / "config.json").is_file():
+        from services.draft.make_random import make_random_drafter
+        make_random_drafter(model_dir, out)
+    if not quiet:
+        print(f"note: using a RANDOM DFlash drafter ({out}); pass --draft-model for a trained one")
+    return out
+
+
+# -- `dflash up` --------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = StackOptions()
+    p.add_argument("--host", default=d.host, help="address every service listens on")
+    p.add_argument("--http-port", type=int, default=d.http_port, help="OpenAI-compatible HTTP API")
+    p.add_argument("--port", type=int, default=d.port, help="gateway gRPC port")
+    p.add_argument("--target-port", type=int, default=d.target_port)
+    p.add_argument("--draft-port", type=int, default=d.draft_port)
+    p.add_argument("--target-metrics-port", type=int, default=d.target_metrics_port, help="0 = off")
+    p.add_argument("--draft-metrics-port", type=int, default=d.draft_metrics_port, help="0 = off")
+    p.add_argument("--model", default="", help="target HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=d.dtype, help="target dtype (fp32 is fastest on CPU)")
+    p.add_argument("--drafter", default=d.drafter, choices=DRAFTERS,
+                   help=f"default {DEFAULT_DRAFTER}")
+    p.add_argument("--draft-model", default="", help="DFlash drafter directory (--drafter dflash)")
+    p.add_argument("--block-size", type=int, default=0, help="verify block size (0 = the draft's)")
+    p.add_argument("--log-dir", default="", help="children's logs (default: under the models home)")
+    p.add_argument("--ready-timeout", type=float, default=d.ready_timeout_s)
+
+
+def options_from_args(args: argparse.Namespace, **overrides) -> StackOptions:
+    return StackOptions(
+        host=args.host, http_port=args.http_port, port=args.port, target_port=args.target_port,
+        draft_port=args.draft_port, target_metrics_port=args.target_metrics_port,
+        draft_metrics_port=args.draft_metrics_port, model_dir=args.model, dtype=args.dtype,
+        drafter=args.drafter, draft_model=args.draft_model, block_size=args.block_size,
+        log_dir=args.log_dir, ready_timeout_s=args.ready_timeout, **overrides)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    stack = Stack(options_from_args(args))
+    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stack.start()
+        print(f"starting target, {'draft, ' if args.drafter != 'none' else ''}gateway "
+              f"(logs in {stack.log_dir}) ...", flush=True)
+        stack.wait_ready()
+        print(f"dflash stack is up (drafter: {args.drafter})\n{stack.endpoints()}\n"
+              f"Ctrl-C stops everything.", flush=True)
+        while (dead := stack.dead_child()) is None:
+            time.sleep(0.5)
+        print(f"{dead.name} exited with {dead.exited()}; stopping. Log tail:\n{dead.tail()}",
+              file=sys.stderr)
+        return 1
+    except _Stop:
+        print("stopping ...", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        print(f"dflash up failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)

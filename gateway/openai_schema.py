@@ -1,0 +1,187 @@
+"""OpenAI request bodies (pydantic, unknown fields rejected) and their translation into a
+GenerationRequest.
+
+Fields, besides the ones implemented:
+- ignored (bookkeeping, no effect on the output): user, metadata, store, service_tier,
+  parallel_tool_calls, prompt_cache_key, safety_identifier;
+- accepted only at their neutral value, else 400 "not supported": n, best_of (1), echo (false),
+  frequency_penalty / presence_penalty (0), logit_bias (empty), logprobs (null / false),
+  top_logprobs (null / 0), suffix (null), response_format ({"type": "text"}), tools (empty),
+  tool_choice ("none"), functions / function_call, audio, prediction, reasoning_effort,
+  web_search_options, verbosity (null), modalities (["text"]);
+- vLLM's extensions: top_k, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens;
+- anything else: 400 (extra="forbid"), as OpenAI does for unrecognized arguments."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict
+
+from gateway.request import UINT64, GenerationRequest, RequestError
+from runtime.tokenizer import ChatTokenizer
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None          # OpenAI's default: 1
+    top_p: float | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def neutral_only(self) -> dict[str, tuple[Any, Any]]:
+        """field -> (value, what is allowed) for fields that must keep their neutral value."""
+        return {"n": (self.n in (None, 1), "1"),
+                "frequency_penalty": (not self.frequency_penalty, "0"),
+                "presence_penalty": (not self.presence_penalty, "0"),
+                "logit_bias": (not self.logit_bias, "empty")}
+
+    def to_request(self, prompt_ids: list[int]) -> GenerationRequest:
+        for name, (ok, allowed) in self.neutral_only().items():
+            if not ok:
+                raise RequestError(f"{name} is not supported by this server (allowed: {allowed})",
+                                   name)
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return GenerationRequest(
+            prompt_ids=tuple(prompt_ids), max_tokens=self.max_new_tokens(),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+            seed=None if self.seed is None else self.seed & UINT64, min_tokens=self.min_tokens,
+            stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16               # OpenAI's default for completions
+    best_of: int | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def neutral_only(self) -> dict[str, tuple[Any, Any]]:
+        return {**super().neutral_only(),
+                "best_of": (self.best_of in (None, 1), "1"), "echo": (not self.echo, "false"),
+                "logprobs": (self.logprobs is None, "null"), "suffix": (self.suffix is None, "null")}
+
+    def prompt_ids(self, tokenizer: ChatTokenizer) -> list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise RequestError(f"one prompt per request is supported, got {len(p)}", "prompt")
+            p = p[0]
+        if isinstance(p, str):
+            if not p:
+                raise RequestError("the prompt is empty", "prompt")
+            return tokenizer.encode(p, add_special_tokens=True)
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
+    # ignored: bookkeeping only
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    def neutral_only(self) -> dict[str, tuple[Any, Any]]:
+        fmt = self.response_format
+        return {**super().neutral_only(),
+                "logprobs": (not self.logprobs, "false"),
+                "top_logprobs": (not self.top_logprobs, "null or 0"),
+                "response_format": (fmt is None or fmt == {"type": "text"}, '{"type": "text"}'),
+                "tools": (not self.tools, "empty"),
+                "tool_choice": (self.tool_choice in (None, "none"), '"none"'),
+                "functions": (not self.functions, "empty"),
+                "function_call": (self.function_call in (None, "none"), '"none"'),
+                "modalities": (self.modalities in (None, ["text"]), '["text"]'),
+                "audio": (self.audio is None, "null"),
+                "prediction": (self.prediction is None, "null"),
+                "reasoning_effort": (self.reasoning_effort is None, "null"),
+                "web_search_options": (self.web_search_options is None, "null"),
+                "verbosity": (self.verbosity is None, "null")}
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def prompt_ids(self, tokenizer: ChatTokenizer) -> list[int]:
+        if not self.messages:
+            raise RequestError("messages is empty: give at least one message", "messages")
+        messages = []
+        for i, m in enumerate(self.messages):
+            if m.role not in CHAT_ROLES:
+                raise RequestError(f"messages[{i}].role {m.role!r} is not supported; allowed: "
+                                   f"{sorted(CHAT_ROLES)}", f"messages[{i}].role")
+            messages.append({"role": CHAT_ROLES[m.role], "content": m.text()})
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except (ValueError, TemplateError) as e:
+            raise RequestError(f"the chat template refused these messages: {e}",
+                               "messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)

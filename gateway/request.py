@@ -1,0 +1,118 @@
+"""A generation request as the loop sees it (both APIs build one), and its validation against
+the target's limits. Errors say what was wrong and what is allowed."""
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, replace
+
+from dflash.v1 import common_pb2
+from services.common.errors import InvalidArgument
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
+UINT64 = (1 << 64) - 1
+
+
+class RequestError(InvalidArgument):
+    """Bad input; `param` names the offending field (OpenAI's error.param)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_context: int
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int | None = None        # None: up to the context limit
+    temperature: float = 1.0             # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                       # 0 / -1 = off
+    seed: int | None = None
+    min_tokens: int = 0                  # EOS and stop_token_ids suppressed (on the target) until then
+    stop: tuple[str, ...] = ()           # stop strings; their text is not returned
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    block_size: int = 0                  # 0 = the gateway's default
+    skip_special_tokens: bool = True
+    request_id: str = ""
+
+    def sampling_pb(self, seed_offset: int = 0) -> common_pb2.SamplingParams:
+        """seed_offset > 0 on a rebuild, so a sampled stream does not replay its random draws."""
+        msg = common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k,
+                                        min_tokens=self.min_tokens,
+                                        stop_token_ids=list(self.stop_token_ids))
+        if self.top_p != 1.0:
+            msg.top_p = self.top_p
+        if self.seed is not None:
+            msg.seed = (self.seed + seed_offset * 0x9E3779B97F4A7C15) & UINT64
+        return msg
+
+
+def validate(req: GenerationRequest, limits: Limits) -> GenerationRequest:
+    """Checks every field; returns the request with max_tokens resolved and a request id."""
+    n = len(req.prompt_ids)
+    if n == 0:
+        raise RequestError("the prompt is empty: give at least one token", "prompt")
+    bad = [t for t in req.prompt_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                           f"[0, {limits.vocab_size})", "prompt")
+    room = limits.max_context - n
+    if room < 1:
+        raise RequestError(f"the prompt has {n} tokens; this model's context holds "
+                           f"{limits.max_context}, leaving none to generate", "prompt")
+    max_tokens = _max_tokens(req.max_tokens, room, n, limits.max_context)
+    _sampling(req, limits, max_tokens)
+    _stops(req, limits)
+    if req.block_size < 0:
+        raise RequestError(f"block_size must be >= 0 (0 = default), got {req.block_size}",
+                           "block_size")
+    return replace(req, max_tokens=max_tokens, request_id=req.request_id or uuid.uuid4().hex)
+
+
+def _max_tokens(value: int | None, room: int, n: int, max_context: int) -> int:
+    if value is None:
+        return room
+    if value < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {value}", "max_tokens")
+    if value > room:
+        raise RequestError(f"max_tokens {value} is too large: this model's context holds "
+                           f"{max_context} tokens and the prompt uses {n}, so at most {room} "
+                           f"can be generated", "max_tokens")
+    return value
+
+
+def _sampling(req: GenerationRequest, limits: Limits, max_tokens: int) -> None:
+    if not (math.isfinite(req.temperature) and req.temperature >= 0):
+        raise RequestError(f"temperature must be >= 0 (0 = greedy), got {req.temperature}",
+                           "temperature")
+    if not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
+        raise RequestError(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
+    if req.top_k < -1:
+        raise RequestError(f"top_k must be -1 or 0 (off) or >= 1, got {req.top_k}", "top_k")
+    if req.seed is not None and not 0 <= req.seed <= UINT64:
+        raise RequestError(f"seed must be in [0, 2**64), got {req.seed}", "seed")
+    if not 0 <= req.min_tokens <= max_tokens:
+        raise RequestError(f"min_tokens must be in [0, max_tokens={max_tokens}], got "
+                           f"{req.min_tokens}", "min_tokens")
+
+
+def _stops(req: GenerationRequest, limits: Limits) -> None:
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}", "stop")
+    for s in req.stop:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise RequestError(f"stop strings must have 1..{MAX_STOP_CHARS} characters, got "
+                               f"{s[:40]!r} ({len(s)})", "stop")
+    bad = [t for t in req.stop_token_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise RequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
+                           f"[0, {limits.vocab_size})", "stop_token_ids")

@@ -1,0 +1,164 @@
+"""What the gateway knows about its upstreams right now, and its own readiness derived from it.
+
+Ready = the target is SERVING with usable capabilities, and the draft (when configured) is
+SERVING and compatible - or, once it has been seen, or once the start-up deadline has passed,
+merely absent (requests then run autoregressively). An incompatible pair is refused: the
+gateway stays NOT_SERVING and says why."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from dflash.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from gateway import compat
+from gateway.config import GatewayConfig
+from gateway.upstream import Upstream
+from runtime.tokenizer import ChatTokenizer, tokenizer_fingerprint
+from services.common import metrics
+from services.common.server import Readiness
+
+log = logging.getLogger("dflash.gateway.state")
+
+SERVICE_NAME = "dflash.v1.Gateway"
+TARGET_SERVICE = "dflash.v1.Target"
+DRAFT_SERVICE = "dflash.v1.Draft"
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What a request may use at this moment. draft None: autoregressive (Verify of the anchor)."""
+    draft: draft_pb2.DraftCapabilities | None
+    block_size: int                  # default block (anchor + drafts)
+    max_block_size: int
+    generation: int                  # the draft's capabilities generation (changes on restart)
+
+    @property
+    def capture_layers(self) -> list[int]:
+        return list(self.draft.target_layer_ids) if self.draft and self.draft.needs_features else []
+
+
+class GatewayState:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.tokenizer = ChatTokenizer(config.tokenizer_dir)
+        self.tokenizer_hash = tokenizer_fingerprint(config.tokenizer_dir)
+        self.target = Upstream("target", config.target, TARGET_SERVICE, target_pb2_grpc.TargetStub,
+                               config, self._recompute)
+        self.draft = (Upstream("draft", config.draft, DRAFT_SERVICE, draft_pb2_grpc.DraftStub,
+                               config, self._recompute) if config.draft else None)
+        self.readiness = Readiness(SERVICE_NAME)
+        self.ready = False
+        self.reason = f"waiting for the target at {config.target}"
+        self.decision = compat.Decision()
+        self.draft_ok = False            # speculation available now
+        self.draft_seen = False          # the draft was usable once (then its absence degrades)
+        self.draft_grace_over = False    # start-up deadline passed: serve without the draft
+        self.metrics_model = ""
+        self.ready_event = asyncio.Event()
+        self._published: bool | None = None
+        self._publish_lock = asyncio.Lock()
+        self._logged_reason = ""
+
+    def start_watching(self) -> None:
+        self.target.start()
+        if self.draft is not None:
+            self.draft.start()
+
+    async def close(self) -> None:
+        for up in (self.target, self.draft):
+            if up is not None:
+                await up.close()
+
+    # -- what requests read --------------------------------------------------------------------
+    @property
+    def target_caps(self) -> target_pb2.TargetCapabilities | None:
+        return self.target.capabilities
+
+    @property
+    def model_name(self) -> str:
+        caps = self.target_caps
+        return self.config.model_name or (caps.model_id if caps is not None else "")
+
+    def speculation(self) -> Speculation:
+        if self.draft_ok and self.draft is not None:
+            d = self.decision
+            return Speculation(self.draft.capabilities, d.block_size, d.max_block_size,
+                               self.draft.generation)
+        caps = self.target_caps
+        return Speculation(None, 1, caps.max_block_size if caps else 1, 0)
+
+    def known_draft(self) -> draft_pb2.DraftCapabilities | None:
+        """The draft's last known capabilities when they fit the target (for feature capture
+        while the draft is briefly down)."""
+        if self.draft is None or self.draft.capabilities is None or not self.decision.ok:
+            return None
+        return self.draft.capabilities if self.draft_seen else None
+
+    # -- readiness ------------------------------------------------------------------------------
+    def end_draft_grace(self) -> None:
+        self.draft_grace_over = True
+        self._recompute()
+
+    def _recompute(self) -> None:
+        ready, reason = self._evaluate()
+        self.ready, self.reason = ready, reason
+        if not ready and reason != self._logged_reason:
+            refused = reason.startswith(("target refused", "draft refused"))
+            log.log(logging.ERROR if refused else logging.INFO, "not ready: %s", reason)
+        self._logged_reason = "" if ready else reason
+        if ready:
+            self.ready_event.set()
+        else:
+            self.ready_event.clear()
+        asyncio.get_running_loop().create_task(self._publish())
+
+    def _evaluate(self) -> tuple[bool, str]:
+        t = self.target
+        if not t.serving or t.capabilities is None:
+            self.draft_ok = False
+            return False, f"target at {t.address} is not serving: {t.status}"
+        self._init_metrics(t.capabilities)
+        problems = compat.check_target(t.capabilities, self.tokenizer_hash)
+        if problems:
+            self.draft_ok = False
+            return False, "target refused: " + "; ".join(problems)
+        return self._evaluate_draft(t.capabilities)
+
+    def _evaluate_draft(self, tcaps: target_pb2.TargetCapabilities) -> tuple[bool, str]:
+        d = self.draft
+        if d is None:
+            self.decision, self.draft_ok = compat.autoregressive(tcaps), False
+            return True, "serving (autoregressive: no draft configured)"
+        if d.serving and d.capabilities is not None:
+            decision = compat.check_pair(tcaps, d.capabilities, self.config.block_size)
+            if decision != self.decision:
+                for note in decision.notes:
+                    log.info("draft/target: %s", note)
+            self.decision = decision
+            self.draft_ok = decision.ok
+            if not decision.ok:
+                return False, "draft refused: " + "; ".join(decision.problems)
+            if not self.draft_seen:
+                log.info("speculative decoding on", extra={
+                    "drafter": d.capabilities.drafter_kind, "block_size": decision.block_size})
+            self.draft_seen = True
+            return True, f"serving (speculative, block size {decision.block_size})"
+        self.draft_ok = False
+        if self.draft_seen or self.draft_grace_over:
+            return True, f"serving autoregressively: draft at {d.address} is not serving ({d.status})"
+        return False, f"waiting for the draft at {d.address}: {d.status}"
+
+    def _init_metrics(self, caps: target_pb2.TargetCapabilities) -> None:
+        if not self.metrics_model:
+            self.metrics_model = caps.model_id
+            metrics.init(caps.model_id, "gateway")
+            for up in (self.target, self.draft):
+                if up is not None:
+                    up.model_name = caps.model_id
+
+    async def _publish(self) -> None:
+        async with self._publish_lock:
+            if self.ready != self._published and self.metrics_model:
+                self._published = self.ready
+                await self.readiness.set(self.ready)

@@ -1,0 +1,60 @@
+"""Prometheus metrics of one request (names: services/common/metrics.py, DESIGN §7).
+
+Per step, "draft" and "verify" are the Propose and Verify round trips as the gateway sees them;
+"gateway" is the rest of the step's wall time (output processing, detokenization, handing the
+event to the client, event-loop waiting), measured from the end of the previous step - so the
+three add up to the time between consecutive steps. ITL is per token: a step that delivers n
+tokens after t seconds counts n observations of t/n (as SGLang counts under speculation)."""
+from __future__ import annotations
+
+import time
+
+from services.common import metrics
+
+
+class RequestTelemetry:
+    """No-op while model is "" (the gateway has not seen the target yet)."""
+
+    def __init__(self, model: str, arrival: float) -> None:
+        self.model = model
+        self.arrival = arrival
+        self.last_emit: float | None = None
+        self.step_mark = time.perf_counter()          # end of the previous step (or prefill)
+
+    def prefill_done(self, feature_bytes: int | None) -> None:
+        self.step_mark = time.perf_counter()
+        if self.model and feature_bytes is not None:
+            metrics.FEATURE_BYTES.labels(self.model).observe(feature_bytes)
+
+    def emitted(self, n: int) -> None:
+        now = time.perf_counter()
+        if self.model and n:
+            if self.last_emit is None:
+                metrics.TTFT.labels(self.model).observe(now - self.arrival)
+            else:
+                itl = metrics.ITL.labels(self.model)
+                for _ in range(n):
+                    itl.observe((now - self.last_emit) / n)
+        if n:
+            self.last_emit = now
+
+    def step(self, draft_s: float | None, verify_s: float, drafts: int, accepted: int) -> None:
+        now = time.perf_counter()
+        wall, self.step_mark = now - self.step_mark, now
+        if not self.model:
+            return
+        metrics.STEP.labels(self.model, "verify").observe(verify_s)
+        if draft_s is not None:
+            metrics.STEP.labels(self.model, "draft").observe(draft_s)
+        rest = wall - verify_s - (draft_s or 0.0)
+        metrics.STEP.labels(self.model, "gateway").observe(max(0.0, rest))
+        metrics.record_acceptance(self.model, drafts, accepted)
+
+    def finished(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        if not self.model:
+            return
+        m = self.model
+        metrics.E2E.labels(m).observe(time.perf_counter() - self.arrival)
+        metrics.REQUEST_SUCCESS.labels(m, reason).inc()
+        metrics.PROMPT_TOKENS.labels(m).inc(prompt_tokens)
+        metrics.GENERATION_TOKENS.labels(m).inc(completion_tokens)

@@ -1,0 +1,165 @@
+"""One upstream service (target or draft): a long-lived grpc.aio channel, a grpc.health.v1 Watch
+that follows its readiness, and its capabilities - fetched only after it reports SERVING."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dflash.v1 import common_pb2
+from gateway.config import GatewayConfig
+from services.common import metrics
+
+log = logging.getLogger("dflash.gateway.upstream")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+WATCH_REOPEN_S = 300.0        # a Watch carries a deadline too; it is reopened when it passes
+
+
+class UpstreamError(Exception):
+    """A failed call to an upstream, with the gRPC status it ended with."""
+
+    def __init__(self, upstream: str, method: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{upstream} {method} failed: {code.name}: {details}")
+        self.upstream, self.method, self.code, self.details = upstream, method, code, details
+
+
+def channel_options(config: GatewayConfig) -> list[tuple[str, Any]]:
+    backoff_ms = int(config.backoff_initial_s * 1000)
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        # pings every keepalive_s (>= 10 s: the services' min_recv_ping_interval), also when idle
+        ("grpc.keepalive_time_ms", int(config.keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # reconnect quickly after an upstream restart (grpc's default backoff grows to 120 s)
+        ("grpc.initial_reconnect_backoff_ms", max(100, backoff_ms)),
+        ("grpc.min_reconnect_backoff_ms", max(100, backoff_ms)),
+        ("grpc.max_reconnect_backoff_ms", int(config.backoff_max_s * 1000)),
+    ]
+
+
+class Upstream:
+    """`serving` and `capabilities` change only on the event loop; `on_change()` is called after
+    every change. `capabilities` is fetched on each transition to SERVING (a restarted service
+    may be a different one) and is None until then."""
+
+    def __init__(self, role: str, address: str, service_name: str, stub_factory: Callable,
+                 config: GatewayConfig, on_change: Callable[[], None]) -> None:
+        self.role, self.address, self.service_name = role, address, service_name
+        self.config = config
+        self.on_change = on_change
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(config))
+        self.stub = stub_factory(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.serving = False
+        self.capabilities: Any = None
+        self.status = "not contacted yet"      # for readiness reasons and logs
+        self.generation = 0                     # +1 whenever fetched capabilities differ
+        self.model_name = ""                    # metrics label, set once known
+        self._watch_call: Any = None
+        self._task: asyncio.Task | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch_forever(), name=f"watch-{self.role}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.channel.close(grace=None)
+
+    def mark_failed(self, why: str) -> None:
+        """A call failed with UNAVAILABLE: treat the upstream as down until its health stream
+        says SERVING again (the stream is reopened so the current status is re-read)."""
+        if self.serving:
+            log.warning("%s marked down: %s", self.role, why)
+        self._set(False, f"down: {why}")
+        if self._watch_call is not None:
+            self._watch_call.cancel()
+
+    # -- calls -----------------------------------------------------------------------------
+    async def call(self, method: str, request: Any, timeout: float) -> Any:
+        """Unary call with a deadline; failures become UpstreamError (and count as metrics)."""
+        try:
+            return await getattr(self.stub, method)(request, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            self.count_error(e.code())
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.mark_failed(f"{method}: {e.details()}")
+            raise UpstreamError(self.role, method, e.code(), e.details() or "") from None
+
+    def count_error(self, code: grpc.StatusCode) -> None:
+        if self.model_name:
+            metrics.UPSTREAM_ERRORS.labels(self.model_name, self.role, code.name).inc()
+
+    # -- health watch ----------------------------------------------------------------------
+    async def _watch_forever(self) -> None:
+        backoff = self.config.backoff_initial_s
+        while True:
+            try:
+                if await self._watch_once():
+                    backoff = self.config.backoff_initial_s
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._set(False, _describe(e))
+            except asyncio.CancelledError:
+                if self._task is not None and self._task.cancelling():
+                    raise                       # close(); else mark_failed() cancelled the call
+            except Exception as e:
+                log.exception("%s health watch failed", self.role)
+                self._set(False, f"health watch failed: {type(e).__name__}: {e}")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.config.backoff_max_s)
+
+    async def _watch_once(self) -> bool:
+        """Follows one Watch stream; returns True when it delivered at least one status."""
+        req = health_pb2.HealthCheckRequest(service=self.service_name)
+        self._watch_call = self._health.Watch(req, timeout=WATCH_REOPEN_S)
+        got = False
+        try:
+            async for msg in self._watch_call:
+                got = True
+                if msg.status == SERVING:
+                    await self._on_serving()
+                else:
+                    name = health_pb2.HealthCheckResponse.ServingStatus.Name(msg.status)
+                    self._set(False, f"health {self.service_name} is {name}")
+        finally:
+            self._watch_call = None
+        return got
+
+    async def _on_serving(self) -> None:
+        """SERVING: only now ask for capabilities (never before, DESIGN §4)."""
+        if self.serving:
+            return
+        t0 = time.monotonic()
+        caps = await self.stub.GetCapabilities(common_pb2.GetCapabilitiesRequest(),
+                                               timeout=self.config.capabilities_timeout_s)
+        if caps != self.capabilities:
+            self.generation += 1            # a restart with the same capabilities keeps it
+        self.capabilities = caps
+        log.info("%s at %s is SERVING; capabilities fetched", self.role, self.address,
+                 extra={"seconds": round(time.monotonic() - t0, 3)})
+        self._set(True, "SERVING")
+
+    def _set(self, serving: bool, status: str) -> None:
+        changed = serving != self.serving or status != self.status
+        self.serving, self.status = serving, status
+        if changed:
+            if not serving:
+                log.info("%s at %s not serving: %s", self.role, self.address, status)
+            self.on_change()
+
+
+def _describe(e: grpc.aio.AioRpcError) -> str:
+    details = (e.details() or "").splitlines()[0][:200]
+    return f"{e.code().name}: {details}"

@@ -1,0 +1,174 @@
+"""Losslessness through three real processes (target, draft, gateway) on SmolLM2-135M fp32:
+greedy output is token-identical to transformers' greedy `generate`, autoregressively, with a
+DFlash drafter (random weights: acceptance is low, output must still be exact), with prompt
+lookup, and with the draft service killed (and restarted) in the middle of a request."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+from support.draft_service import start_draft
+from support.gateway_stack import GreedyReference, start_gateway, wait_until
+from support.procs import ServiceProcess, start_target
+
+from dflash.v1 import common_pb2, gateway_pb2
+from runtime.tokenizer import ChatTokenizer
+from services.draft.make_random import make_random_drafter
+
+pytestmark = pytest.mark.slow
+
+N = 48
+CHATS = ["Write a short story about a robot who learns to paint.",
+         "Explain how photosynthesis works in simple terms.",
+         "Repeat the following sentence three times: The cat sat on the mat near the door."]
+TEXTS = ["The history of the Roman Empire began",
+         'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n']
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("gateway_e2e")
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir) -> list[list[int]]:
+    tok = ChatTokenizer(smollm2_dir)
+    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in CHATS]
+    return chats + [tok.encode(t, add_special_tokens=True) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir) -> GreedyReference:
+    return GreedyReference(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_dir, logs):
+    p = start_target(smollm2_dir, logs)
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(smollm2_dir, tmp_path_factory):
+    return make_random_drafter(smollm2_dir, tmp_path_factory.mktemp("random_dflash"), block_size=4)
+
+
+@pytest.fixture(scope="module")
+def gateways(smollm2_dir, dflash_dir, target, logs):
+    """kind -> gateway; the drafts are started alongside."""
+    dflash = start_draft(smollm2_dir, logs, model_dir=dflash_dir)
+    lookup = start_draft(smollm2_dir, logs, "--drafter", "prompt-lookup")
+    gws = {"autoregressive": start_gateway(target.address, smollm2_dir, logs),
+           "dflash": start_gateway(target.address, smollm2_dir, logs, draft=dflash.address),
+           "prompt-lookup": start_gateway(target.address, smollm2_dir, logs, draft=lookup.address)}
+    yield gws
+    for p in [*gws.values(), dflash, lookup]:
+        p.stop()
+
+
+@pytest.mark.parametrize("kind", ["autoregressive", "dflash", "prompt-lookup"])
+def test_greedy_output_is_token_identical_to_transformers(kind, gateways, prompts, reference):
+    gw = gateways[kind]
+    info = gw.stub.GetModelInfo(gateway_pb2.GetModelInfoRequest())
+    assert info.speculative == (kind != "autoregressive")
+    assert info.drafter_kind == ("" if kind == "autoregressive" else kind)
+    drafted = accepted = 0
+    for ids in prompts:
+        tokens, _, responses = gw.generate(ids, N)
+        assert tokens == reference(ids, N), f"{kind}: prompt {ids[-8:]}"
+        usage = responses[-1].usage
+        assert usage.completion_tokens == len(tokens) and usage.prompt_tokens == len(ids)
+        assert responses[-1].finish_reason == ("length" if len(tokens) == N else "stop")
+        assert sum(r.accepted for r in responses) == usage.accepted_tokens
+        drafted += usage.draft_tokens
+        accepted += usage.accepted_tokens
+    assert sum(len(reference(ids, N)) == N for ids in prompts) >= 4     # mostly full-length runs
+    if kind == "autoregressive":
+        assert drafted == 0
+    else:
+        assert drafted > 0                     # speculation really happened
+    if kind == "prompt-lookup":
+        assert accepted > 0                    # and some drafts were right
+
+
+def test_concurrent_requests_are_each_exact(gateways, prompts, reference):
+    gw = gateways["prompt-lookup"]
+    results: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        results[i] = gw.generate(prompts[i], N)[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert all(results[i] == reference(ids, N) for i, ids in enumerate(prompts))
+
+
+def test_draft_killed_and_restarted_mid_request(smollm2_dir, dflash_dir, target, logs, prompts,
+                                                reference):
+    """Killed: the request goes on autoregressively. Restarted on the same port while the request
+    runs: the draft answers NOT_FOUND, the gateway rebuilds its context (a target prefill) and
+    speculation resumes. The output stays identical throughout."""
+    draft = start_draft(smollm2_dir, logs, model_dir=dflash_dir)
+    gw = start_gateway(target.address, smollm2_dir, logs, draft=draft.address)
+    ids, n = prompts[0], 120
+    expected = reference(ids, n)
+    restarted = None
+    try:
+        req = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=ids), max_tokens=n,
+                                          sampling=common_pb2.SamplingParams(temperature=0))
+        tokens, last = [], None
+        for i, r in enumerate(gw.stub.Generate(req, timeout=600)):
+            tokens += r.token_ids
+            last = r
+            if i == 3:
+                os.killpg(draft.proc.pid, signal.SIGKILL)
+                draft.proc.wait(5)
+                restarted = ServiceProcess("services.draft", draft.args, draft.service, draft.port,
+                                           logs).start()
+        assert tokens == expected
+        assert last.usage.draft_steps > 3          # speculated before the kill and after the restart
+        assert "rebuilding the draft context" in gw.log()
+        assert "not serving" in gw.log()
+        # and the next request speculates from the start again, still exact
+        restarted.wait_serving()
+        wait_until(lambda: gw.readiness()[1]["reason"].startswith("serving (speculative"),
+                   what="speculation back on")
+        tokens, _, responses = gw.generate(prompts[1], N)
+        assert tokens == reference(prompts[1], N) and responses[-1].usage.draft_steps > 0
+    finally:
+        for p in (gw, draft, restarted):
+            if p is not None:
+                p.stop()
+
+
+def test_target_restarted_mid_request(smollm2_dir, logs, prompts, reference):
+    """The target dies and comes back on the same port during a request: the gateway waits for
+    it (bounded by the step deadline), prefills the committed tokens again, and the output has
+    nothing lost or repeated."""
+    target = start_target(smollm2_dir, logs)
+    gw = start_gateway(target.address, smollm2_dir, logs)      # autoregressive: a slow request
+    restarted = None
+    ids, n = prompts[0], 96
+    try:
+        req = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=ids), max_tokens=n,
+                                          sampling=common_pb2.SamplingParams(temperature=0))
+        tokens = []
+        for i, r in enumerate(gw.stub.Generate(req, timeout=600)):
+            tokens += r.token_ids
+            if i == 3:
+                os.killpg(target.proc.pid, signal.SIGKILL)
+                target.proc.wait(5)
+                restarted = ServiceProcess("services.target", target.args, target.service,
+                                           target.port, logs).start()
+        assert tokens == reference(ids, n)
+        assert "target lost the sequence (UNAVAILABLE)" in gw.log()
+    finally:
+        for p in (gw, target, restarted):
+            if p is not None:
+                p.stop()

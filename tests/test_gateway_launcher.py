@@ -1,0 +1,103 @@
+"""`dflash up` and `dflash demo`: the local stack as child processes, endpoints printed, a chat
+through the openai client, and nothing left running after SIGTERM - or after the launcher is
+killed outright."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+from support.gateway_stack import wait_until
+from support.procs import REPO, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def processes_with(marker: str) -> list[int]:
+    """pids whose command line contains marker (a port only this test uses)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if marker in cmd:
+                pids.append(int(entry.name))
+    return pids
+
+
+def launch(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, dict[str, int], Path]:
+    ports = {k: free_port() for k in ("http", "port", "target", "draft")}
+    log = tmp_path / "up.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash.cli", "up", "--http-port", str(ports["http"]),
+         "--port", str(ports["port"]), "--target-port", str(ports["target"]),
+         "--draft-port", str(ports["draft"]), "--log-dir", str(tmp_path / "logs"), *extra],
+        cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, ports, log
+
+
+def wait_up(proc: subprocess.Popen, log: Path) -> str:
+    def up():
+        assert proc.poll() is None, log.read_text()
+        return "dflash stack is up" in log.read_text()
+    wait_until(up, timeout=240, interval=0.5, what="dflash up")
+    return log.read_text()
+
+
+def test_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    proc, ports, log = launch(tmp_path)
+    marker = f"--port {ports['target']}"
+    try:
+        out = wait_up(proc, log)
+        assert f"http://127.0.0.1:{ports['http']}/v1" in out and f"127.0.0.1:{ports['port']}" in out
+        assert len(processes_with(marker)) == 1            # the target child
+        client = OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="x",
+                        max_retries=0)
+        r = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0,
+                                           messages=[{"role": "user", "content": "Say hi."}],
+                                           max_tokens=8)
+        assert r.choices[0].message.content and r.usage.completion_tokens >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        for port in ports.values():
+            assert processes_with(f"--port {port}") == [] and processes_with(f"-port {port} ") == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_killed_launcher_leaves_no_orphans(tmp_path):
+    proc, ports, log = launch(tmp_path, "--drafter", "none")
+    try:
+        wait_up(proc, log)
+        assert processes_with(f"--port {ports['target']}")
+        proc.kill()                                          # no chance to clean up itself
+        proc.wait(10)
+        wait_until(lambda: not processes_with(f"--port {ports['target']}")
+                   and not processes_with(f"--http-port {ports['http']}"),
+                   timeout=30, what="children gone after the launcher died")
+    finally:
+        for pid in processes_with(f"--port {ports['target']}"):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_demo_prints_answer_speed_and_acceptance(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "dflash.cli", "demo", "--max-tokens", "48",
+                           "--log-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "assistant>" in done.stdout and "tokens/s" in done.stdout
+    assert "mean acceptance length" in done.stdout
+    http_port = re.search(r"OpenAI API +http://127.0.0.1:(\d+)/v1", done.stdout).group(1)
+    time.sleep(0.5)
+    assert not processes_with(f"--http-port {http_port}")   # its children are gone too
