@@ -257,6 +257,10 @@ class TargetHead:
              ) -> TargetHead:
         raw = read_config_json(target_dir)
         tied = bool(raw.get("tie_word_embeddings", False))
+        if bench_switches.random_weights():
+            shape = (int(raw["vocab_size"]), int(raw["hidden_size"]))
+            embed = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02)
+            return TargetHead(embed, embed if tied else torch.empty_like(embed).normal_(0.0, 0.02))
         names = {EMBED_NAME} if tied else {EMBED_NAME, LM_HEAD_NAME}
         found = read_tensors(target_dir, names)
         missing = sorted(names - set(found))

@@ -1,0 +1,122 @@
+"""`dflash eval-draft`: a drafter's acceptance length through the real engines (in-process).
+
+For each held-out split and temperature: tau (committed tokens per verify step, bonus
+included) per category, the acceptance rate at each draft position, and - at temperature 0 -
+a check that the speculative output equals the target alone. Results: JSON (and a markdown
+table with --doc)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import time
+from collections import defaultdict
+from datetime import date
+from pathlib import Path
+
+from runtime.sampling import SamplingConfig
+from runtime.tokenizer import ChatTokenizer
+from services.draft.config import DraftConfig
+from services.draft.training.generate import chat_prompt_ids
+from services.draft.training.inproc import SpecResult, speculate, start_engines
+from services.target.config import TargetConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="", help="target directory (default: SmolLM2 fp32)")
+    p.add_argument("--draft-model", default="models/smollm2-135m-instruct-dflash")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--splits", nargs="+", default=["eval_in", "eval_unseen"])
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])
+    p.add_argument("--per-split", type=int, default=24, help="prompts per split (0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results/drafter_eval.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = asyncio.run(evaluate(args))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    return 0
+
+
+async def evaluate(args: argparse.Namespace) -> dict:
+    from services.draft.training.prompts import load_prompts
+    target_dir = args.target or str(_default_target(args.dtype))
+    engines = start_engines(
+        TargetConfig(model_dir=target_dir, device=args.device, dtype=args.dtype,
+                     max_block_size=max(16, args.block_size), lease_seconds=3600),
+        DraftConfig(target_dir=target_dir, model_dir=args.draft_model, device=args.device,
+                    dtype=args.dtype, lease_seconds=3600))
+    tok = ChatTokenizer(target_dir)
+    eos = set(engines.target.worker.facts.eos_token_ids)
+    runs = []
+    try:
+        for split in args.splits:
+            prompts = load_prompts(split)
+            if args.per_split:
+                prompts = random.Random(args.seed).sample(prompts, min(args.per_split, len(prompts)))
+            for temp in args.temperatures:
+                runs.append(await _run_split(engines, tok, eos, split, prompts, temp, args))
+    finally:
+        engines.stop()
+    return {"machine": platform.processor() or platform.machine(), "date": str(date.today()),
+            "target": target_dir, "draft_model": args.draft_model,
+            "block_size": args.block_size, "max_new_tokens": args.max_new_tokens,
+            "summary": [{k: r[k] for k in ("split", "temperature", "tau", "per_category",
+                                           "per_position", "identical_to_target")}
+                        for r in runs], "runs": runs}
+
+
+async def _run_split(engines, tok, eos, split, prompts, temp, args) -> dict:
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def one(i: int, rec) -> tuple[str, SpecResult, list[int] | None]:
+        async with sem:
+            ids = chat_prompt_ids(tok, rec.text)
+            sampling = SamplingConfig(temperature=temp, seed=args.seed + i)
+            spec = await speculate(engines, f"ev-{split}-{temp}-{i}", ids, args.max_new_tokens,
+                                   args.block_size, sampling, eos)
+            alone = None
+            if temp == 0.0:
+                alone = (await speculate(engines, f"ar-{split}-{i}", ids, args.max_new_tokens, 1,
+                                         sampling, eos)).tokens
+            return rec.category, spec, alone
+
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(one(i, r) for i, r in enumerate(prompts)))
+    by_cat: dict[str, list[SpecResult]] = defaultdict(list)
+    for cat, spec, _ in done:
+        by_cat[cat].append(spec)
+    specs = [s for _, s, _ in done]
+    positions = [0] * (args.block_size - 1)
+    for s in specs:
+        for a in s.accepted:
+            for k in range(a):
+                positions[k] += 1
+    steps = sum(s.steps for s in specs)
+    return {
+        "split": split, "temperature": temp, "prompts": len(prompts),
+        "tau": round(_tau(specs), 3),
+        "per_category": {c: round(_tau(v), 3) for c, v in sorted(by_cat.items())},
+        "per_position": [round(p / max(1, steps), 4) for p in positions],
+        "identical_to_target": all(a == s.tokens for _, s, a in done) if temp == 0.0 else None,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _tau(specs: list[SpecResult]) -> float:
+    steps = sum(s.steps for s in specs)
+    return (sum(sum(s.accepted) for s in specs) + steps) / max(1, steps)
+
+
+def _default_target(dtype: str) -> Path:
+    from runtime.prepare.smollm2 import prepare_smollm2
+    return prepare_smollm2([dtype], progress=False)[dtype]

@@ -1,0 +1,93 @@
+"""Speculative decoding over in-process engines (no gRPC): the DESIGN §3 loop reduced to what
+evaluation and benchmarks need (EOS and max_tokens stops; no stop strings, no detokenization).
+The serving loop with recovery, fallback and streaming is gateway/loop.py."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.sampling import SamplingConfig
+from services.draft.config import DraftConfig
+from services.draft.drafter import make_drafter
+from services.draft.engine import DraftEngine, ProposeCall
+from services.target.config import TargetConfig
+from services.target.engine import PrefillCall, TargetEngine
+from services.target.worker import TargetWorker
+
+
+@dataclass
+class SpecResult:
+    tokens: list[int]
+    steps: int = 0                                   # verify steps after the prefill
+    accepted: list[int] = field(default_factory=list)   # accepted drafts per step
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per verify step, bonus included."""
+        return (sum(self.accepted) + self.steps) / max(1, self.steps)
+
+
+@dataclass
+class Engines:
+    target: TargetEngine
+    draft: DraftEngine | None
+
+    def stop(self) -> None:
+        self.target.stop()
+        if self.draft is not None:
+            self.draft.stop()
+
+
+def start_engines(target_cfg: TargetConfig, draft_cfg: DraftConfig | None) -> Engines:
+    worker = TargetWorker(target_cfg)
+    worker.alloc_memory_pools()
+    worker.init_attention_backends()
+    worker.mark_ready()
+    target = TargetEngine(worker)
+    target.start()
+    draft = None
+    if draft_cfg is not None:
+        drafter = make_drafter(draft_cfg)
+        drafter.init_backend()
+        draft = DraftEngine(drafter, draft_cfg)
+        draft.start()
+    return Engines(target, draft)
+
+
+async def speculate(engines: Engines, seq_id: str, prompt: list[int], max_new: int, block: int,
+                    sampling: SamplingConfig, eos: set[int]) -> SpecResult:
+    """Greedy or sampled generation of up to max_new tokens; block 1 = autoregressive."""
+    t0 = time.perf_counter()
+    draft = engines.draft if block > 1 else None
+    facts = draft.drafter.facts if draft is not None else None
+    layers = tuple(facts.target_layer_ids) if facts and facts.needs_features else ()
+    fdtype = getattr(torch, facts.feature_dtype) if facts else torch.bfloat16
+    pre = await engines.target.prefill(PrefillCall(seq_id, prompt, sampling, layers, fdtype))
+    res = SpecResult(tokens=[pre.next_token])
+    new_ids, new_feats, start = list(prompt), pre.features, 0
+    try:
+        while res.tokens[-1] not in eos and len(res.tokens) < max_new:
+            b = min(block, max_new - len(res.tokens) + 1)
+            drafts: list[int] = []
+            if draft is not None and b > 1:
+                proposal = await draft.propose(ProposeCall(
+                    seq_id, start, len(new_ids), new_feats, new_ids, res.tokens[-1], b))
+                start += len(new_ids)
+                drafts = proposal.draft_tokens[: b - 1]
+            anchor = res.tokens[-1]
+            v = await engines.target.verify(seq_id, [anchor] + drafts)
+            res.steps += 1
+            res.accepted.append(v.accepted)
+            new_ids, new_feats = [anchor] + drafts[: v.accepted], v.features
+            res.tokens.extend(v.committed)
+    finally:
+        await engines.target.release(seq_id)
+        if draft is not None:
+            await draft.release(seq_id)
+    cut = next((i + 1 for i, t in enumerate(res.tokens) if t in eos), len(res.tokens))
+    res.tokens = res.tokens[: min(cut, max_new)]
+    res.seconds = time.perf_counter() - t0
+    return res
