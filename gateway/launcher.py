@@ -20,7 +20,9 @@ from pathlib import Path
 
 from runtime.home import models_home
 
-DEFAULT_DRAFTER = "prompt-lookup"   # the one place to change when a trained DFlash drafter ships
+DEFAULT_DRAFTER = "dflash"
+# The DFlash drafter trained by this project for SmolLM2-135M-Instruct (models/ in the repo).
+SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
 DRAFTERS = ("dflash", "prompt-lookup", "none")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +39,7 @@ class StackOptions:
     model_dir: str = ""                # "" = SmolLM2-135M-Instruct fp32, prepared on first use
     dtype: str = "float32"
     drafter: str = DEFAULT_DRAFTER
-    draft_model: str = ""              # dflash: checkpoint dir ("" = a random one, for trying it)
+    draft_model: str = ""              # dflash: checkpoint dir ("" = the shipped one for SmolLM2)
     block_size: int = 0
     log_dir: str = ""
     ready_timeout_s: float = 600.0
@@ -118,8 +120,11 @@ class Stack:
         args = ["--drafter", o.drafter, "--target-model", self.model_dir, "--port", o.draft_port,
                 "--host", o.host, "--metrics-port", o.draft_metrics_port]
         if o.drafter == "dflash":
-            args += ["--model", o.draft_model or str(_random_drafter(self.model_dir, o.quiet))]
+            args += ["--model", o.draft_model or str(self._default_drafter())]
         return args
+
+    def _default_drafter(self) -> Path:
+        return _shipped_or_random_drafter(self.model_dir, self.opts.quiet)
 
     def _add(self, name: str, module: str, *args) -> None:
         argv = [sys.executable, "-m", module, *[str(a) for a in args]]
@@ -189,6 +194,16 @@ def readiness(http_url: str) -> tuple[bool, str]:
 def _prepare_default_model(dtype: str, quiet: bool) -> Path:
     from runtime.prepare.smollm2 import prepare_smollm2
     return prepare_smollm2([dtype], progress=not quiet)[dtype]
+
+
+def _shipped_or_random_drafter(model_dir: str, quiet: bool) -> Path:
+    """The shipped trained drafter when the target is the default SmolLM2 (its fingerprint
+    matches), else a random-weight one for trying the path."""
+    from runtime.models.dflash import DFlashConfig, TargetFingerprint
+    shipped = DFlashConfig.from_dir(SHIPPED_DRAFTER).target_fingerprint
+    if shipped == TargetFingerprint.of_target(model_dir):
+        return SHIPPED_DRAFTER
+    return _random_drafter(model_dir, quiet)
 
 
 def _random_drafter(model_dir: str, quiet: bool) -> Path:

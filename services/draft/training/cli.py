@@ -9,6 +9,8 @@ import asyncio
 import json
 import logging
 import random
+import shlex
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -114,18 +116,8 @@ def run(args: argparse.Namespace) -> int:
                       feature_backend="triton" if args.device.startswith("cuda") else "torch")
     path, summary = train(cfg, examples, held["eval_in"])
     summary["eval"] = evaluate_splits(replace(cfg, eval_sequences=args.eval_sequences), path, held)
-    summary["command"] = "dflash train-draft " + " ".join(_argv(args))
+    summary["command"] = "dflash " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     (path / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     write_card(path, summary)
     log.info("drafter written to %s: %s", path, json.dumps(summary["eval"]))
     return 0
-
-
-def _argv(args: argparse.Namespace) -> list[str]:
-    parts = []
-    for k, v in vars(args).items():
-        if v in (None, "", False):
-            continue
-        flag = "--" + k.replace("_", "-")
-        parts.append(flag if v is True else f"{flag} {v}")
-    return parts
