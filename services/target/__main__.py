@@ -8,11 +8,17 @@ import time
 
 from runtime.config import default_model_id
 from runtime.sampling import SamplingConfig
-from services.common import flags, metrics
+from services.common import flags, metrics, tls
+from services.common.guard import Drain
 from services.common.logs import setup_logging
 from services.common.metrics_server import start_metrics
-from services.common.server import (MiB, Readiness, build_server, install_stop_signals,
-                                    serve_until_stopped)
+from services.common.server import (
+    MiB,
+    Readiness,
+    build_server,
+    install_stop_signals,
+    serve_until_stopped,
+)
 from services.target import servicer as target_servicer
 from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
@@ -40,7 +46,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--metrics-port", 0, int, "Prometheus /metrics port (0 = off)")
     flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
     flags.add(p, "--log-level", "INFO", str, "DEBUG | INFO | WARNING")
+    flags.add(p, "--drain-grace", 30.0, float, "SIGTERM: seconds for the sequences it holds to "
+              "finish (new Prefills are refused meanwhile) before it exits")
+    tls.add_server_flags(p)
     flags.add(p, "--warmup-delay", 0.0, float, "testing: extra seconds of warm-up")
+    flags.add(p, "--no-cuda-graphs", action="store_true",
+              help="run every forward eagerly (graphs: CUDA + triton backend only)")
+    flags.add(p, "--graph-block-sizes", "1,16", _int_list, "verify block sizes captured as graphs")
+    flags.add(p, "--graph-capture-layers", "", _int_list,
+              "feature layers the graphed verify returns (the drafter's target_layer_ids)")
     flags.add(p, "--hybrid-wrapper", action="store_true", help="wrap the backend in the hybrid wrapper")
     flags.add(p, "--no-mamba-commit", action="store_true",
               help="testing: build a hybrid backend that cannot commit recurrent state")
@@ -51,7 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.model:
         p.error("--model (or DFLASH_MODEL) is required")
+    try:
+        tls.check_readable(tls.server_from_args(args))
+    except tls.TlsConfigError as e:
+        p.error(str(e))
     return args
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in str(text).split(",") if x.strip())
 
 
 def config_from_args(args: argparse.Namespace) -> TargetConfig:
@@ -62,6 +84,8 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         max_block_size=args.max_block_size, token_budget=args.token_budget,
         lease_seconds=args.lease_seconds, state_slots=args.state_slots, model_id=args.model_id,
         warmup_delay_s=args.warmup_delay, hybrid_wrapper=args.hybrid_wrapper,
+        cuda_graphs=not args.no_cuda_graphs, graph_block_sizes=args.graph_block_sizes,
+        graph_capture_layers=args.graph_capture_layers,
         mamba_commit=not args.no_mamba_commit, verify_state_slots=args.verify_state_slots,
         unsafe_skip_mamba_commit=args.unsafe_skip_mamba_commit)
 
@@ -91,8 +115,12 @@ async def serve(args: argparse.Namespace) -> None:
     readiness = Readiness(target_servicer.SERVICE_NAME)
     await readiness.start()
     servicer = target_servicer.TargetServicer()
+    # draining: no new sequences (Prefill); Verify and Release go on until none is left
+    drain = Drain(args.drain_grace, idle=lambda: not _live_sequences(servicer),
+                  refuse=lambda method, request: method == "Prefill")
     server = build_server(args.port, args.host, args.max_message_mib * MiB, readiness,
-                          lambda s: target_servicer.add_to_server(servicer, s))
+                          lambda s: target_servicer.add_to_server(servicer, s),
+                          tls=tls.server_from_args(args), drain=drain)
     await server.start()
     log.info("listening (NOT_SERVING until ready)", extra={"port": args.port})
     stop = asyncio.Event()
@@ -105,13 +133,19 @@ async def serve(args: argparse.Namespace) -> None:
     engine = TargetEngine(worker)
     engine.start()
     servicer.engine = engine
+    await asyncio.to_thread(worker.capture_cuda_graphs)   # before SERVING: readiness waits
     await warmup(engine, worker)
     worker.mark_ready()
     await readiness.set(True)
     try:
-        await serve_until_stopped(server, readiness, stop)
+        await serve_until_stopped(server, readiness, stop, drain)
     finally:
         engine.stop()
+
+
+def _live_sequences(servicer: target_servicer.TargetServicer) -> int:
+    engine = servicer.engine
+    return len(engine.seqs) if engine is not None else 0
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,6 +21,9 @@ class TargetConfig:
     model_id: str = ""
     warmup: bool = True
     warmup_delay_s: float = 0.0        # tests: make warm-up observably slow
+    cuda_graphs: bool = True           # capture verify forwards during warm-up (CUDA + triton)
+    graph_block_sizes: tuple[int, ...] = (1, 16)
+    graph_capture_layers: tuple[int, ...] = ()   # feature layers the graphs return (the drafter's)
     mamba_commit: bool = True          # tests of the hybrid path: False builds a backend that cannot commit
     # hybrid: sequences that can verify blocks of 2+ tokens (-1 = state_slots); see runtime/state_pool.py
     verify_state_slots: int = -1

@@ -69,6 +69,7 @@ class TargetWorker:
         self.state_pool = None
         self._attn_backend: AttentionBackend | None = None
         self._need_mamba_verify_commit: bool | None = None
+        self._graphs: dict[tuple[int, tuple[int, ...]], object] = {}
         self.stage = "loaded"
         log.info("weights loaded", extra={"model": self.facts.model_id,
                                           "seconds": round(time.monotonic() - t0, 2)})
@@ -159,6 +160,11 @@ class TargetWorker:
         Hybrid models: state_slots[i] is sequence i's live state slot; verify[i] True keeps one
         intermediate state per block position instead of advancing the live state."""
         backend = self.attn_backend
+        runner = self._graph_for(slices, capture_layers)
+        if runner is not None:
+            with torch.inference_mode():
+                return runner.run(slices, input_ids.to(self.device, non_blocking=True),
+                                  positions.to(self.device, non_blocking=True))
         meta = AttentionMetadata.build(slices, self.kv_cache, causal=True, device=self.device)
         if self.facts.hybrid:
             self.model.set_state_context(meta, state_slots, verify)
@@ -166,6 +172,39 @@ class TargetWorker:
         with torch.inference_mode():
             return self.model(input_ids.to(self.device), positions.to(self.device),
                               ForwardBatch(backend, capture_layers))
+
+    # -- CUDA graphs (warm-up) ---------------------------------------------------------------
+    def capture_cuda_graphs(self) -> None:
+        """Captures verify forwards for each configured block size (and the configured feature
+        layers) at bucketed batch sizes. Eager fallback: not on CUDA, a hybrid model, a backend
+        that cannot bind static buffers (torch, flashinfer), or --no-cuda-graphs."""
+        cfg = self.config
+        backend = self.attn_backend
+        if (not cfg.cuda_graphs or self.device.type != "cuda" or self.facts.hybrid
+                or not hasattr(backend, "bind")):
+            return
+        from runtime.cuda_graphs import GraphRunner
+        layers = tuple(cfg.graph_capture_layers)
+        model = self.model
+
+        def forward(ids, pos, meta):
+            return model(ids, pos, ForwardBatch(backend, layers))
+        with torch.inference_mode():
+            for q in cfg.graph_block_sizes:
+                runner = GraphRunner(forward, backend, self.kv_cache, q, self.facts.max_context,
+                                     causal=True)
+                runner.capture()
+                self._graphs[(q, layers)] = runner
+        log.info("cuda graphs ready", extra={"block_sizes": cfg.graph_block_sizes,
+                                             "capture_layers": layers})
+
+    def _graph_for(self, slices: list[SeqSlice], capture_layers: tuple[int, ...]):
+        """The captured runner for this batch, or None (eager): every sequence must append the
+        same number of tokens, ask for the captured feature layers, and fit a bucket."""
+        if not self._graphs or len({s.q_len for s in slices}) != 1:
+            return None
+        runner = self._graphs.get((slices[0].q_len, tuple(capture_layers)))
+        return runner if runner is not None and runner.can_run(slices) else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
