@@ -37,7 +37,13 @@ class AttentionBackend(ABC):
         self.cache.k[layer].index_copy_(0, slot_mapping, k.to(self.cache.k.dtype))
         self.cache.v[layer].index_copy_(0, slot_mapping, v.to(self.cache.v.dtype))
 
-    @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 causal: bool | None = None, window: int | None = None) -> torch.Tensor:
         """q [T, nh, hd], k/v [T, nkv, hd] -> out [T, nh, hd]. `causal`/`window` override meta."""
+        self.store_kv(layer, k, v, self.meta.slot_mapping)
+        return self.attend(layer, q, self.meta.causal if causal is None else causal, window)
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
+               ) -> torch.Tensor:
+        """q [T, nh, hd] over the layer's cache (the new k/v are already stored) -> [T, nh, hd]."""

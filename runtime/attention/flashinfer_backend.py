@@ -34,9 +34,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         kv_lens = meta.kv_lens
         pages = [-(-n // meta.page_size) for n in kv_lens]
         indices = [p for row, n in zip(meta.page_lists, pages) for p in row[:n]]
-        cu_q, cu_p = [0], [0]
-        for q, n in zip(meta.q_lens, pages):
-            cu_q.append(cu_q[-1] + q)
+        cu_q, cu_p = meta.cu_q_lens, [0]
+        for n in pages:
             cu_p.append(cu_p[-1] + n)
         last = [n - (p - 1) * meta.page_size for n, p in zip(kv_lens, pages)]
         i32 = dict(dtype=torch.int32, device=device)
@@ -58,12 +57,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._planned.add(key)
         return wrapper
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                causal: bool | None = None, window: int | None = None) -> torch.Tensor:
-        meta = self.meta
-        causal = meta.causal if causal is None else causal
-        self.store_kv(layer, k, v, meta.slot_mapping)
-        ps = meta.page_size
+    def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
+               ) -> torch.Tensor:
+        ps = self.meta.page_size
         kc = self.cache.k[layer].view(-1, ps, self.num_kv_heads, self.head_dim)
         vc = self.cache.v[layer].view(-1, ps, self.num_kv_heads, self.head_dim)
         return self._wrapper(causal, window or 0).run(q.to(kc.dtype).contiguous(), (kc, vc))

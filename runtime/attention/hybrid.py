@@ -44,6 +44,10 @@ class HybridAttnBackend(AttentionBackend):
                 causal: bool | None = None, window: int | None = None) -> torch.Tensor:
         return self.full.forward(layer, q, k, v, causal, window)
 
+    def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
+               ) -> torch.Tensor:
+        return self.full.attend(layer, q, causal, window)
+
     def store_kv(self, layer, k, v, slot_mapping) -> None:
         self.full.store_kv(layer, k, v, slot_mapping)
 

@@ -44,6 +44,14 @@ class AttentionMetadata:
         return [p + q for p, q in zip(self.prefix_lens, self.q_lens)]
 
     @property
+    def cu_q_lens(self) -> list[int]:
+        """[bs+1] token offsets of each sequence's new tokens in the flattened batch."""
+        out = [0]
+        for q in self.q_lens:
+            out.append(out[-1] + q)
+        return out
+
+    @property
     def num_tokens(self) -> int:
         return sum(self.q_lens)
 

@@ -22,9 +22,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._uniform = len(set(meta.q_lens)) == 1 and len(set(kv_lens)) == 1
         # (prefix, q_len, causal, window) -> mask: built once per forward, not once per layer
         self._masks: dict[tuple[int, int, bool, int | None], torch.Tensor | None] = {}
-        self._offsets = [0]
-        for q in meta.q_lens:
-            self._offsets.append(self._offsets[-1] + q)
+        self._offsets = meta.cu_q_lens
 
     def _mask(self, prefix: int, q_len: int, causal: bool, window: int | None
               ) -> torch.Tensor | None:
@@ -46,11 +44,9 @@ class TorchAttentionBackend(AttentionBackend):
             mask = mask & (kpos > qpos - window)
         return mask
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                causal: bool | None = None, window: int | None = None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
+               ) -> torch.Tensor:
         meta = self.meta
-        causal = meta.causal if causal is None else causal
-        self.store_kv(layer, k, v, meta.slot_mapping)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         if self._uniform:
             return self._forward_uniform(q, kc, vc, causal, window)

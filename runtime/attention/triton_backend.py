@@ -21,10 +21,7 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
         device = meta.page_tables.device
-        cu = [0]
-        for q in meta.q_lens:
-            cu.append(cu[-1] + q)
-        self.bind(torch.tensor(cu, dtype=torch.int32, device=device),
+        self.bind(torch.tensor(meta.cu_q_lens, dtype=torch.int32, device=device),
                   torch.tensor(meta.prefix_lens, dtype=torch.int32, device=device),
                   meta.page_tables.to(torch.int32), max(meta.q_lens))
 
@@ -38,11 +35,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._block_m = max(16, min(64, _next_pow2(rows)))
         self._grid = (prefix.shape[0], self.num_kv_heads, triton.cdiv(rows, self._block_m))
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                causal: bool | None = None, window: int | None = None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
+               ) -> torch.Tensor:
         meta = self.meta
-        causal = meta.causal if causal is None else causal
-        self.store_kv(layer, k, v, meta.slot_mapping)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         q = q.to(kc.dtype).contiguous()
         out = torch.empty_like(q)

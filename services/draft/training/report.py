@@ -11,6 +11,7 @@ from runtime.models.dflash import TargetHead, load_dflash
 from services.draft.training.acceptance import AcceptanceStats, simulate_each
 from services.draft.training.features import FeatureExtractor
 from services.draft.training.generate import Example
+from services.draft.training.trainer import batch_tensors
 
 
 def evaluate_splits(cfg, draft_dir: Path, held: dict[str, list[Example]]) -> dict:
@@ -31,7 +32,7 @@ def evaluate_splits(cfg, draft_dir: Path, held: dict[str, list[Example]]) -> dic
             chunk = [e for e in examples[i: i + cfg.batch_sequences] if len(e.response_ids) >= 2]
             if not chunk:
                 continue
-            ids, plen, lens = _tensors(chunk, cfg)
+            ids, plen, lens = batch_tensors(chunk, cfg.max_len, cfg.device)
             feats = extractor([e.ids[: cfg.max_len] for e in chunk])
             with torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16):
                 per_seq = simulate_each(draft, head, feats, ids, plen, lens, cfg.block_size)
@@ -45,17 +46,6 @@ def evaluate_splits(cfg, draft_dir: Path, held: dict[str, list[Example]]) -> dic
                                         for a in total.per_position],
         }
     return result
-
-
-def _tensors(chunk: list[Example], cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    seqs = [e.ids[: cfg.max_len] for e in chunk]
-    L = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), L, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-    plen = torch.tensor([min(len(e.prompt_ids), len(s) - 2) for e, s in zip(chunk, seqs)])
-    lens = torch.tensor([len(s) for s in seqs])
-    return ids.to(cfg.device), plen.to(cfg.device), lens.to(cfg.device)
 
 
 def write_card(draft_dir: Path, summary: dict) -> None:

@@ -96,15 +96,7 @@ class Batcher:
         return self.rng.sample(self.examples, min(n, len(self.examples)))
 
     def tensors(self, batch: list[Example], device) -> tuple[torch.Tensor, ...]:
-        """ids [S, L] (0-padded), prompt lengths [S], lengths [S]."""
-        seqs = [e.ids[: self.cfg.max_len] for e in batch]
-        L = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), L, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-        plen = torch.tensor([min(len(e.prompt_ids), len(s) - 2) for e, s in zip(batch, seqs)])
-        lens = torch.tensor([len(s) for s in seqs])
-        return ids.to(device), plen.to(device), lens.to(device)
+        return batch_tensors(batch, self.cfg.max_len, device)
 
     def anchors(self, plen: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """[S, nb] random anchor positions in [prompt_len, len-2] (with replacement if short)."""
@@ -129,6 +121,19 @@ def init_output_norm(draft: DFlashDraftModel, target_dir: str) -> None:
     weight = found.get("model.norm.weight")
     draft.norm.weight.copy_(0.1 * (weight if weight is not None else draft.norm.weight).to(
         draft.norm.weight.dtype))
+
+
+def batch_tensors(batch: list[Example], max_len: int, device) -> tuple[torch.Tensor, ...]:
+    """ids [S, L] (0-padded; sequences cut at max_len), prompt lengths [S] (at most len-2, so
+    every sequence has an anchor with a label), lengths [S]."""
+    seqs = [e.ids[:max_len] for e in batch]
+    L = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+    plen = torch.tensor([min(len(e.prompt_ids), len(s) - 2) for e, s in zip(batch, seqs)])
+    lens = torch.tensor([len(s) for s in seqs])
+    return ids.to(device), plen.to(device), lens.to(device)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
