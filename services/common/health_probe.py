@@ -1,0 +1,55 @@
+"""python -m services.common.health_probe HOST:PORT SERVICE [--timeout S]
+
+The docker-compose healthcheck of the three services: one grpc.health.v1 Check of SERVICE
+(e.g. dflash.v1.Target; "" = the whole server). Exit 0 iff the answer is SERVING; otherwise
+exit 1 with one line on stderr saying what it got (NOT_SERVING, UNKNOWN, an unknown service,
+nothing listening, a deadline). Bad arguments: exit 2 (argparse)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def check(address: str, service: str, timeout_s: float) -> tuple[bool, str]:
+    """(serving, what the probe saw)."""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            return False, f"{address} does not know the service {service!r}"
+        return False, f"{address}: {e.code().name}: {(e.details() or '').splitlines()[0][:200]}"
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return reply.status == SERVING, f"{address} {service or '(server)'}: {name}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.common.health_probe",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("address", help="HOST:PORT of the gRPC server")
+    p.add_argument("service", nargs="?", default="",
+                   help="health service name, e.g. dflash.v1.Target ('' = the whole server)")
+    p.add_argument("--timeout", type=float, default=3.0, help="deadline of the Check (s)")
+    args = p.parse_args(argv)
+    if ":" not in args.address:
+        p.error(f"address {args.address!r} must be HOST:PORT")
+    if args.timeout <= 0:
+        p.error("--timeout must be > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    serving, seen = check(args.address, args.service, args.timeout)
+    print(seen, file=sys.stdout if serving else sys.stderr)
+    return 0 if serving else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
