@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import ssl
 import sys
 
 import grpc
@@ -15,11 +16,14 @@ import uvicorn
 
 from gateway import config as gateway_config
 from gateway import grpc_api
+from gateway.auth import ApiKeyInterceptor, ApiKeys
 from gateway.config import GatewayConfig
 from gateway.http_api import build_app
 from gateway.loop import drain_releases
 from gateway.service import GatewayService
 from gateway.state import GatewayState
+from services.common import tls
+from services.common.guard import Drain, wait_idle
 from services.common.logs import setup_logging
 from services.common.server import build_server, install_stop_signals
 
@@ -42,9 +46,11 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     gateway_config.add_arguments(p)
     args = p.parse_args(argv)
     try:
-        return gateway_config.from_args(args)
-    except ValueError as e:
+        config = gateway_config.from_args(args)
+        tls.check_readable(config.server_tls, config.upstream_tls)
+    except ValueError as e:            # TlsConfigError too
         p.error(str(e))
+    return config
 
 
 async def serve(config: GatewayConfig) -> int:
@@ -68,15 +74,19 @@ async def serve(config: GatewayConfig) -> int:
     watchdog = asyncio.create_task(_startup_deadline(state, stop, status))
     await stop.wait()
     watchdog.cancel()
-    await _shutdown(state, grpc_server, http)
+    await _shutdown(service, grpc_server, http)
     return status["code"]
 
 
 async def _start_grpc(config: GatewayConfig, state: GatewayState,
                       service: GatewayService) -> grpc.aio.Server:
     servicer = grpc_api.GatewayServicer(service)
+    keys = ApiKeys(config.api_keys)
     server = build_server(config.port, config.host, config.max_message_bytes, state.readiness,
-                          lambda s: grpc_api.add_to_server(servicer, s))
+                          lambda s: grpc_api.add_to_server(servicer, s),
+                          tls=config.server_tls,
+                          interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [],
+                          max_receive_bytes=config.max_request_bytes)
     await server.start()
     return server
 
@@ -84,7 +94,8 @@ async def _start_grpc(config: GatewayConfig, state: GatewayState,
 async def _start_http(config: GatewayConfig, service: GatewayService) -> HttpServer | None:
     http = HttpServer(uvicorn.Config(build_app(service), host=config.host,
                                      port=config.http_port, log_level="warning", access_log=False,
-                                     lifespan="off", timeout_graceful_shutdown=GRACE_S))
+                                     lifespan="off", timeout_graceful_shutdown=GRACE_S,
+                                     **_https(config.server_tls)))
     http.task = asyncio.create_task(http.serve(), name="http")
     while not http.started and not http.task.done():
         await asyncio.sleep(0.05)
@@ -94,17 +105,36 @@ async def _start_http(config: GatewayConfig, service: GatewayService) -> HttpSer
     return http
 
 
-async def _shutdown(state: GatewayState, grpc_server: grpc.aio.Server | None,
+def _https(server_tls: tls.ServerTls) -> dict:
+    """uvicorn's TLS settings: the gateway's certificate serves HTTPS too (and with a client CA,
+    HTTPS clients need a certificate as well)."""
+    if not server_tls.enabled:
+        return {}
+    extra = {"ssl_certfile": server_tls.cert, "ssl_keyfile": server_tls.key}
+    if server_tls.mutual:
+        extra.update(ssl_ca_certs=server_tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return extra
+
+
+async def _shutdown(service: GatewayService, grpc_server: grpc.aio.Server | None,
                     http: HttpServer | None) -> None:
-    """NOT_SERVING first; in-flight requests get a grace period, then are cancelled (and their
-    sequences released) before the upstream channels close."""
-    log.info("stopping")
+    """Drain: NOT_SERVING and new requests refused (503 / UNAVAILABLE) while the ones in flight
+    finish, for up to --drain-grace; then the servers stop, cancelling what is left (its
+    sequences are released) before the upstream channels close."""
+    state = service.state
+    drain = Drain(state.config.drain_grace_s, idle=lambda: service.idle)
+    log.info("stopping: draining %d requests for up to %.0f s", service.admission.active,
+             drain.grace_s)
+    service.start_draining()
     if state.metrics_model:
         await state.readiness.set(False)
+    drained = await wait_idle(drain)
+    log.info("drained" if drained else "drain grace period over; cancelling what is left",
+             extra={"requests_left": service.admission.active})
     stops = []
     if grpc_server is not None:
         await state.readiness.health.enter_graceful_shutdown()
-        stops.append(grpc_server.stop(GRACE_S))
+        stops.append(grpc_server.stop(1.0 if drained else 0))
     if http is not None:
         http.should_exit = True
         stops.append(http.task)

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from services.common import flags
+from gateway.auth import load_keys
+from services.common import flags, tls
+from services.common.tls import ClientTls, ServerTls
 
 MiB = 1024 * 1024
 
@@ -29,7 +31,19 @@ class GatewayConfig:
     max_message_mib: int = 256           # matches the services' limit
     keepalive_s: float = 30.0            # client pings; the services accept >= 10 s
     max_running: int = 256               # requests in the loop at once; more wait (gauge "waiting")
+    max_waiting: int = 512               # requests waiting for a slot; past it 429 / RESOURCE_EXHAUSTED
+    retry_after_s: float = 1.0           # Retry-After hint of a 429
     pending_feature_mib: int = 256       # features kept for a draft that is down; past it: rebuild later
+    upstream_wait_s: float = 60.0        # how long requests wait for a target that is down to return
+    pool_wait_s: float = 60.0            # how long a sequence retries when a service's pools are full
+    drain_grace_s: float = 30.0          # SIGTERM: time for requests in flight to finish
+    max_request_bytes: int = 8 * MiB     # HTTP body (413) and gRPC request message limit
+    max_prompt_tokens: int = 0           # 0 = the target's context
+    max_tokens_limit: int = 0            # largest max_tokens (and the default's cap); 0 = context
+    server_tls: ServerTls = field(default_factory=ServerTls)   # this gateway's gRPC (and HTTPS) certificate
+    upstream_tls: ClientTls = field(default_factory=ClientTls)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    metrics_auth: bool = False           # /metrics needs an API key too
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -39,8 +53,11 @@ class GatewayConfig:
             raise ValueError("--tokenizer DIR (the target's model directory) is required")
         if self.keepalive_s < 10:
             raise ValueError("--keepalive-s must be >= 10: the services reject pings more often")
-        if self.block_size < 0 or self.max_running < 1:
-            raise ValueError("--block-size must be >= 0 and --max-running >= 1")
+        if self.block_size < 0 or self.max_running < 1 or self.max_waiting < 0:
+            raise ValueError("--block-size must be >= 0, --max-running >= 1, --max-waiting >= 0")
+        if min(self.max_prompt_tokens, self.max_tokens_limit) < 0 or self.max_request_bytes < 1024:
+            raise ValueError("--max-prompt-tokens and --max-tokens-limit must be >= 0 (0 = the "
+                             "context) and --max-request-bytes >= 1KiB")
 
     @property
     def max_message_bytes(self) -> int:
@@ -64,7 +81,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
     flags.add(p, "--keepalive-s", 30.0, float, "keepalive ping interval to upstreams (>= 10)")
     flags.add(p, "--max-running", 256, int, "requests generating at once (more wait)")
+    flags.add(p, "--max-waiting", 512, int, "requests waiting for a slot; more get 429 / "
+              "RESOURCE_EXHAUSTED at once")
+    flags.add(p, "--retry-after", 1.0, float, "Retry-After (s) sent with a 429")
     flags.add(p, "--pending-feature-mib", 256, int, "features buffered per request while the draft is down")
+    flags.add(p, "--upstream-wait", 60.0, float, "seconds requests wait for a target that went "
+              "down to come back (then UNAVAILABLE / 503)")
+    flags.add(p, "--pool-wait", 60.0, float, "seconds a sequence retries (with backoff) while a "
+              "service's KV or state pool is full")
+    flags.add(p, "--drain-grace", 30.0, float, "SIGTERM: seconds for requests in flight to finish")
+    flags.add(p, "--max-request-bytes", "8MiB", flags.parse_size, "largest HTTP body (413) and "
+              "gRPC request message")
+    flags.add(p, "--max-prompt-tokens", 0, int, "largest prompt in tokens (0 = the context)")
+    flags.add(p, "--max-tokens-limit", 0, int, "largest max_tokens, also caps the default "
+              "(0 = the rest of the context)")
+    tls.add_server_flags(p)
+    tls.add_client_flags(p)
+    flags.add(p, "--api-keys", "", str, "comma-separated API keys ('' and no file = open API)",
+              secret=True)
+    flags.add(p, "--api-key-file", "", str, "file of API keys, one per line")
+    flags.add(p, "--metrics-auth", action="store_true", help="/metrics needs an API key too")
     flags.add(p, "--log-level", "INFO", str, "DEBUG | INFO | WARNING")
 
 
@@ -76,5 +112,11 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         backoff_initial_s=args.backoff_initial, backoff_max_s=args.backoff_max,
         prefill_timeout_s=args.prefill_timeout, step_timeout_s=args.step_timeout,
         max_message_mib=args.max_message_mib, keepalive_s=args.keepalive_s,
-        max_running=args.max_running, pending_feature_mib=args.pending_feature_mib,
+        max_running=args.max_running, max_waiting=args.max_waiting,
+        retry_after_s=args.retry_after, pending_feature_mib=args.pending_feature_mib,
+        upstream_wait_s=args.upstream_wait, pool_wait_s=args.pool_wait,
+        drain_grace_s=args.drain_grace, max_request_bytes=args.max_request_bytes,
+        max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+        server_tls=tls.server_from_args(args), upstream_tls=tls.client_from_args(args),
+        api_keys=load_keys(args.api_keys, args.api_key_file), metrics_auth=args.metrics_auth,
         log_level=args.log_level)

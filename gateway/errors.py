@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from gateway.admission import Overloaded
 from gateway.request import RequestError
 from gateway.upstream import UpstreamError
 from services.common.errors import NotFound, ServiceError
@@ -16,17 +17,20 @@ log = logging.getLogger("dflash.gateway.errors")
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 503, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.CANCELLED: 499,
     grpc.StatusCode.INTERNAL: 500,
 }
-ERROR_TYPE = {400: "invalid_request_error", 404: "invalid_request_error",
-              499: "request_cancelled", 503: "service_unavailable", 504: "timeout",
-              500: "internal_error"}
-# An upstream's status as the gateway's client should see it.
+ERROR_TYPE = {400: "invalid_request_error", 401: "invalid_request_error",
+              404: "invalid_request_error", 429: "rate_limit_error", 499: "request_cancelled",
+              503: "service_unavailable", 504: "timeout", 500: "internal_error"}
+# An upstream's status as the gateway's client should see it (an upstream's pools full after
+# --pool-wait is the service's trouble, not the client's rate: 503).
 UPSTREAM_CODE = {grpc.StatusCode.NOT_FOUND: grpc.StatusCode.UNAVAILABLE,
                  grpc.StatusCode.UNKNOWN: grpc.StatusCode.INTERNAL,
-                 grpc.StatusCode.CANCELLED: grpc.StatusCode.UNAVAILABLE}
+                 grpc.StatusCode.CANCELLED: grpc.StatusCode.UNAVAILABLE,
+                 grpc.StatusCode.RESOURCE_EXHAUSTED: grpc.StatusCode.UNAVAILABLE}
 
 
 class ModelNotFound(NotFound):
@@ -39,6 +43,7 @@ class ClientError:
     message: str
     param: str | None = None
     error_code: str | None = None      # OpenAI's error.code
+    retry_after: str | None = None     # seconds, for Retry-After (HTTP) / retry-after (gRPC)
 
     @property
     def http_status(self) -> int:
@@ -53,6 +58,8 @@ class ClientError:
 def classify(e: BaseException) -> ClientError:
     if isinstance(e, RequestError):
         return ClientError(e.code, str(e), e.param)
+    if isinstance(e, Overloaded):
+        return ClientError(e.code, str(e), error_code="overloaded", retry_after=e.retry_after)
     if isinstance(e, ServiceError):
         return ClientError(e.code, str(e), error_code=getattr(e, "error_code", None))
     if isinstance(e, UpstreamError):

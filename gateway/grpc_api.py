@@ -1,6 +1,7 @@
 """dflash.v1.Gateway servicer: protobuf <-> GenerationRequest / events; nothing else."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -12,7 +13,8 @@ from gateway.errors import classify
 from gateway.loop import Event, Usage
 from gateway.request import GenerationRequest, RequestError
 from gateway.service import GatewayService
-from services.common.errors import rpc
+from services.common import metrics
+from services.common.errors import log_rpc, rpc
 
 SERVICE_NAME = "dflash.v1.Gateway"
 
@@ -24,17 +26,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         arrival = time.perf_counter()
+        code = grpc.StatusCode.OK
         try:
-            self.service.require_ready()
-            req = self.service.prepare(self._from_proto(request))
-            async with contextlib.aclosing(self.service.generate(req, arrival)) as events:
+            events = await self.service.open(lambda: self._from_proto(request), arrival)
+            async with contextlib.aclosing(events):
                 async for event in events:
                     yield _to_proto(event)
         except grpc.aio.AbortError:
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
             raise
         except Exception as e:  # noqa: BLE001 - CancelledError (client gone) is not an Exception
             err = classify(e)
+            code = err.code
+            if err.retry_after:
+                context.set_trailing_metadata((("retry-after", err.retry_after),))
             await context.abort(err.code, err.message)
+        finally:                # counted like the unary RPCs (services/common/errors.py:rpc)
+            seconds = time.perf_counter() - arrival
+            metrics.observe_rpc("Generate", code.name, seconds)
+            log_rpc("Generate", code, seconds, request_id=request.request_id)
 
     @rpc
     async def GetModelInfo(self, request, context) -> gateway_pb2.ModelInfo:

@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -20,10 +21,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.auth import OPEN_HTTP, ApiKeyMiddleware, ApiKeys
+from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import ClientError, ModelNotFound, classify
 from gateway.loop import Event, Usage
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.request import GenerationRequest
 from gateway.service import GatewayService
+from gateway.telemetry import HttpMetrics
 from gateway.upstream import UpstreamError
 from services.common.errors import ServiceError
 
@@ -31,8 +36,15 @@ log = logging.getLogger("dflash.gateway.http")
 
 
 def build_app(service: GatewayService) -> FastAPI:
+    """Requests pass the metrics middleware, the API-key check (gateway/auth.py, 401), the body
+    limit (413), then FastAPI."""
+    cfg = service.state.config
     app = FastAPI(title="dflash gateway", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_request_bytes)
+    open_paths = OPEN_HTTP if cfg.metrics_auth else (*OPEN_HTTP, "/metrics")
+    app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(cfg.api_keys), open_paths=open_paths)
+    app.add_middleware(HttpMetrics)          # outermost: counts the 401s and 413s too
     api = OpenAIApi(service)
 
     @app.post("/v1/completions")
@@ -70,7 +82,8 @@ def build_app(service: GatewayService) -> FastAPI:
 
 
 def _error(err: ClientError) -> JSONResponse:
-    return JSONResponse(err.openai_body(), status_code=err.http_status)
+    headers = {"Retry-After": err.retry_after} if err.retry_after else None
+    return JSONResponse(err.openai_body(), status_code=err.http_status, headers=headers)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -136,14 +149,21 @@ class OpenAIApi:
     async def complete(self, body: CompletionRequest | ChatCompletionRequest, request: Request,
                        chat: bool) -> Response:
         arrival = time.perf_counter()
-        self.check_model(body.model)
-        tokenizer = self.service.state.tokenizer
-        req = self.service.prepare(body.to_request(body.prompt_ids(tokenizer)))
-        shape = ChunkShape(chat, body.model, body.include_usage)
-        events = self.service.generate(req, arrival)
+        built: list[GenerationRequest] = []
+        events = await self.service.open(lambda: self._request(body, built), arrival)
+        shape = ChunkShape(chat, body.model, body.include_usage, built[0].request_id)
         if body.stream:
             return await self._stream(events, shape)
         return await _until_disconnected(request, self._collect(events, shape))
+
+    def _request(self, body: CompletionRequest | ChatCompletionRequest,
+                 built: list[GenerationRequest]) -> GenerationRequest:
+        """check_model, then the request with its id (kept in `built` for the response id)."""
+        self.check_model(body.model)
+        req = replace(body.to_request(body.prompt_ids(self.service.state.tokenizer)),
+                      request_id=uuid.uuid4().hex)
+        built.append(req)
+        return req
 
     async def _collect(self, events: AsyncIterator[Event], shape: ChunkShape) -> JSONResponse:
         text, last = [], None
@@ -207,9 +227,10 @@ async def _wait_disconnect(request: Request) -> None:
 class ChunkShape:
     """OpenAI's response objects for /v1/completions (text_completion) and chat."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool, request_id: str = "") -> None:
         self.chat, self.model, self.include_usage = chat, model, include_usage
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        # the request id of the gateway's logs (request_id=...), so an answer can be traced
+        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list, **extra: Any) -> dict:

@@ -13,13 +13,19 @@ The gateway owns the request (prompt, committed output); the services hold soft 
   every position (the gateway keeps no feature history: at K*H*2 bytes per token that is
   40 KB/token for an 8B target), then Propose starts again from position 0. A prompt-lookup
   draft needs no features: it gets the token ids again.
-- Target lost the sequence (NOT_FOUND), or went away (UNAVAILABLE) and came back within the
-  step deadline: prefilled again the same way; nothing sent is lost or repeated.
+- Target lost the sequence (NOT_FOUND), or went away (UNAVAILABLE: killed, restarting,
+  draining) and came back within --upstream-wait: prefilled again the same way; nothing sent is
+  lost or repeated. Not back in time: UNAVAILABLE (HTTP 503) saying so.
+- A service's pools are full (RESOURCE_EXHAUSTED): a Prefill is retried with backoff; a Verify
+  gives its sequence's pages back (Release) and is prefilled again after a backoff (preemption
+  by recompute: no sequence holds pages while it waits for more, so they cannot deadlock), all
+  within --pool-wait, then UNAVAILABLE saying so; a Propose pauses speculation for a backoff.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +34,8 @@ from dataclasses import dataclass
 import grpc
 
 from dflash.v1 import common_pb2, draft_pb2, target_pb2
+from gateway.backoff import Backoff
+from gateway.config import GatewayConfig
 from gateway.feed import DraftFeed
 from gateway.output import OutputProcessor
 from gateway.request import GenerationRequest
@@ -41,7 +49,30 @@ MAX_REBUILDS = 4                    # per request; past it the request stays aut
 DRAFT_SKIPS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
 TARGET_REBUILDS = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE}
+WAITABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 _background: set[asyncio.Task] = set()
+
+
+class Recovery:
+    """What one call may still spend waiting out failures: a target that is down
+    (--upstream-wait) and full pools (--pool-wait, with backoff)."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.upstream_wait_s = config.upstream_wait_s
+        self.upstream_deadline = time.monotonic() + config.upstream_wait_s
+        self.pool = Backoff(config.backoff_initial_s, config.backoff_max_s, config.pool_wait_s)
+        self.pool_wait_s = config.pool_wait_s
+
+    @property
+    def upstream_left_s(self) -> float:
+        return max(0.0, self.upstream_deadline - time.monotonic())
+
+    def gave_up(self, e: UpstreamError) -> UpstreamError:
+        """e, its message saying how long was waited."""
+        why = (f"the target did not come back within {self.upstream_wait_s:g} s (--upstream-wait)"
+               if e.code == grpc.StatusCode.UNAVAILABLE else
+               f"its pools stayed full for {self.pool_wait_s:g} s (--pool-wait)")
+        return UpstreamError(e.upstream, e.method, e.code, f"{e.details}; {why}")
 
 
 @dataclass
@@ -86,6 +117,10 @@ class Generation:
         self.target_len = 0              # positions with target KV (the anchor is not among them)
         self.anchor = 0
         self.rebuilds = 0
+        self.prefills = 0                # target Prefills so far: the seed offset of the next
+        self.preemptions = 0             # sequences given back because the target's pools were full
+        self.draft_paused_until = 0.0    # the draft's pools were full: no Propose before this
+        self.draft_pause_s = state.config.backoff_initial_s
         self.draft_generation = 0        # the draft's capabilities generation this feed is for
         self.draft_lost = False          # the draft has no usable context: rebuild before Propose
         self.draft_disabled = state.draft is None
@@ -94,6 +129,8 @@ class Generation:
     # -- the loop ------------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[Event]:
         reason = "error"
+        log.debug("request started", extra=self._ids(prompt_tokens=len(self.req.prompt_ids),
+                                                      max_tokens=self.req.max_tokens))
         try:
             yield await self._prefill()
             while self.out.finish_reason is None:
@@ -103,11 +140,26 @@ class Generation:
             reason = self.out.finish_reason or "abort"
             raise
         except Exception as e:
-            log.warning("request failed: %s", e, extra={"seq": self.seq_id})
+            log.warning("request failed: %s", e, extra=self._ids())
             raise
         finally:
             self.telemetry.finished(reason, self.usage.prompt_tokens, self.usage.completion_tokens)
+            self._log_finished(reason)
             await _shielded(self._release())
+
+    def _ids(self, **fields) -> dict:
+        """Log fields naming this request: its request id and the sequence id of its upstreams."""
+        return {"request_id": self.req.request_id, "seq": self.seq_id, **fields}
+
+    def _log_finished(self, reason: str) -> None:
+        u = self.usage
+        log.info("request finished", extra=self._ids(
+            finish_reason=reason, prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens, verify_steps=u.verify_steps,
+            draft_steps=u.draft_steps, accepted_tokens=u.accepted_tokens,
+            acceptance_length=round(u.mean_acceptance_length, 4), rebuilds=self.rebuilds,
+            preemptions=self.preemptions,
+            seconds=round(time.perf_counter() - self.telemetry.arrival, 3)))
 
     async def _prefill(self) -> Event:
         spec = self.state.speculation()
@@ -146,7 +198,7 @@ class Generation:
 
     def _block_size(self, spec: Speculation) -> int:
         """B = min(requested or default, max block, tokens still allowed, room in the context)."""
-        if spec.draft is None or self.draft_disabled:
+        if spec.draft is None or self.draft_disabled or time.monotonic() < self.draft_paused_until:
             return 1
         room = self.state.target_caps.max_context - self.target_len
         wanted = self.req.block_size or spec.block_size
@@ -165,6 +217,7 @@ class Generation:
                     return []
                 continue
             self.feed.clear()
+            self.draft_pause_s = self.state.config.backoff_initial_s
             return self._valid_drafts(resp.draft_tokens, block)
         return []
 
@@ -186,11 +239,19 @@ class Generation:
             return True
         if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
             self.draft_lost = True       # it may have taken the features: its context is unknown
+        elif e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._pause_draft()          # its context is unchanged; the features stay in the feed
         elif e.code not in DRAFT_SKIPS:
             log.warning("draft failed; this request continues autoregressively: %s", e,
-                        extra={"seq": self.seq_id})
+                        extra=self._ids())
             self.draft_disabled = True
         return False
+
+    def _pause_draft(self) -> None:
+        """The draft's pools are full: autoregressive steps for a backoff (doubling, jittered)."""
+        cfg = self.state.config
+        self.draft_paused_until = time.monotonic() + self.draft_pause_s * random.uniform(0.5, 1)
+        self.draft_pause_s = min(self.draft_pause_s * 2, cfg.backoff_max_s)
 
     async def _rebuild_draft(self, spec: Speculation) -> bool:
         """Give the draft the whole context again, from position 0."""
@@ -199,8 +260,7 @@ class Generation:
             self.feed.clear()
             return False
         self.rebuilds += 1
-        log.info("rebuilding the draft context", extra={"seq": self.seq_id,
-                                                         "rebuild": self.rebuilds})
+        log.info("rebuilding the draft context", extra=self._ids(rebuild=self.rebuilds))
         await _release(self.state.draft, self.seq_id, self.state.config.release_timeout_s)
         self.capture_layers = spec.capture_layers
         self.feature_dtype = spec.draft.feature_dtype
@@ -231,36 +291,71 @@ class Generation:
             self.draft_lost = True
 
     # -- target --------------------------------------------------------------------------------
-    async def _prefill_target(self, ids: list[int], num_generated: int) -> target_pb2.PrefillResponse:
-        req = target_pb2.PrefillRequest(
-            sequence_id=self.seq_id, token_ids=ids, sampling=self.req.sampling_pb(self.rebuilds),
-            capture_layers=self.capture_layers, feature_dtype=self.feature_dtype,
-            num_generated=num_generated)
-        return await self.state.target.call("Prefill", req, self.state.config.prefill_timeout_s)
+    async def _prefill_target(self, ids: list[int], num_generated: int,
+                              recovery: Recovery | None = None) -> target_pb2.PrefillResponse:
+        """A Prefill replaces the sequence, so after a failure that a wait can cure (the target
+        down or restarting, its pools full) it is simply sent again."""
+        recovery = recovery or Recovery(self.state.config)
+        while True:
+            req = target_pb2.PrefillRequest(
+                sequence_id=self.seq_id, token_ids=ids,
+                sampling=self.req.sampling_pb(self.prefills), capture_layers=self.capture_layers,
+                feature_dtype=self.feature_dtype, num_generated=num_generated)
+            try:
+                resp = await self.state.target.call("Prefill", req,
+                                                    self.state.config.prefill_timeout_s)
+            except UpstreamError as e:
+                if not await self._wait_out(e, recovery):
+                    raise recovery.gave_up(e) if e.code in WAITABLE else e
+                continue
+            self.prefills += 1
+            return resp
 
     async def _verify(self, tokens: list[int]) -> target_pb2.VerifyResponse:
         """A Verify is not idempotent (it appends the block), so after a failure that may have
         lost the sequence or the answer, the sequence is rebuilt with a Prefill (which replaces
         it) before Verify is sent again - never the same Verify twice."""
         req = target_pb2.VerifyRequest(sequence_id=self.seq_id, token_ids=tokens)
-        timeout = self.state.config.step_timeout_s
-        try:
-            return await self.state.target.call("Verify", req, timeout)
-        except UpstreamError as e:
-            if e.code not in TARGET_REBUILDS or self.rebuilds >= MAX_REBUILDS:
-                raise
-            if e.code == grpc.StatusCode.UNAVAILABLE and not await self._target_back(timeout):
-                raise
-            log.info("target lost the sequence (%s); prefilling it again", e.code.name,
-                     extra={"seq": self.seq_id})
-        self.rebuilds += 1
-        await self._prefill_target(self._context_ids(), len(self.out.output) - 1)
-        return await self.state.target.call("Verify", req, timeout)
+        recovery = Recovery(self.state.config)
+        while True:
+            try:
+                return await self.state.target.call("Verify", req,
+                                                    self.state.config.step_timeout_s)
+            except UpstreamError as e:
+                await self._recover_sequence(e, recovery)
 
-    async def _target_back(self, timeout: float) -> bool:
+    async def _recover_sequence(self, e: UpstreamError, recovery: Recovery) -> None:
+        """After a failed Verify: waits out what can be waited out and prefills the committed
+        tokens again; raises when it cannot (or may not) recover."""
+        if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            await _release(self.state.target, self.seq_id, self.state.config.release_timeout_s)
+            self.preemptions += 1
+            log.info("target pools full: sequence released, to be prefilled again after a "
+                     "backoff", extra=self._ids(preemptions=self.preemptions))
+        elif e.code not in TARGET_REBUILDS or self.rebuilds >= MAX_REBUILDS:
+            raise e
+        else:
+            self.rebuilds += 1
+        if not await self._wait_out(e, recovery):
+            raise recovery.gave_up(e)
+        if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            log.info("target lost the sequence (%s); prefilling it again", e.code.name,
+                     extra=self._ids())
+        await self._prefill_target(self._context_ids(), len(self.out.output) - 1, recovery)
+
+    async def _wait_out(self, e: UpstreamError, recovery: Recovery) -> bool:
+        """True when the call may be sent again: the target is back (UNAVAILABLE), a backoff
+        passed (RESOURCE_EXHAUSTED), or at once (NOT_FOUND: it lost the sequence)."""
+        if e.code == grpc.StatusCode.UNAVAILABLE:
+            return await self._target_back(recovery)
+        if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return await recovery.pool.wait()
+        return e.code == grpc.StatusCode.NOT_FOUND and e.method == "Verify"
+
+    async def _target_back(self, recovery: Recovery) -> bool:
         """Waits (bounded) for the target to be SERVING and compatible again (a restart)."""
         try:
-            await asyncio.wait_for(self.state.ready_event.wait(), timeout)
+            await asyncio.wait_for(self.state.upstreams_event.wait(), recovery.upstream_left_s)
         except asyncio.TimeoutError:
             return False
         return self.state.target.serving

@@ -26,6 +26,8 @@ class RequestError(InvalidArgument):
 class Limits:
     vocab_size: int
     max_context: int
+    max_prompt_tokens: int = 0           # the server's limits (--max-prompt-tokens, 0 = none)
+    max_new_tokens: int = 0              # (--max-tokens-limit, 0 = none)
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,14 @@ def validate(req: GenerationRequest, limits: Limits) -> GenerationRequest:
     if bad:
         raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                            f"[0, {limits.vocab_size})", "prompt")
+    if limits.max_prompt_tokens and n > limits.max_prompt_tokens:
+        raise RequestError(f"the prompt has {n} tokens; this server accepts at most "
+                           f"{limits.max_prompt_tokens}", "prompt")
     room = limits.max_context - n
     if room < 1:
         raise RequestError(f"the prompt has {n} tokens; this model's context holds "
                            f"{limits.max_context}, leaving none to generate", "prompt")
-    max_tokens = _max_tokens(req.max_tokens, room, n, limits.max_context)
+    max_tokens = _max_tokens(req.max_tokens, room, n, limits)
     _sampling(req, limits, max_tokens)
     _stops(req, limits)
     if req.block_size < 0:
@@ -78,11 +83,16 @@ def validate(req: GenerationRequest, limits: Limits) -> GenerationRequest:
     return replace(req, max_tokens=max_tokens, request_id=req.request_id or uuid.uuid4().hex)
 
 
-def _max_tokens(value: int | None, room: int, n: int, max_context: int) -> int:
+def _max_tokens(value: int | None, room: int, n: int, limits: Limits) -> int:
+    cap = limits.max_new_tokens
     if value is None:
-        return room
+        return min(room, cap) if cap else room
     if value < 1:
         raise RequestError(f"max_tokens must be >= 1, got {value}", "max_tokens")
+    if cap and value > cap:
+        raise RequestError(f"max_tokens {value} is too large: this server generates at most "
+                           f"{cap} tokens per request", "max_tokens")
+    max_context = limits.max_context
     if value > room:
         raise RequestError(f"max_tokens {value} is too large: this model's context holds "
                            f"{max_context} tokens and the prompt uses {n}, so at most {room} "

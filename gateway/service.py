@@ -1,12 +1,21 @@
-"""What both APIs call: readiness gate, validation, admission (running/waiting), the loop."""
+"""What both APIs call: admission (gateway/admission.py), the readiness gate, validation, the
+loop. `open()` is the one way in:
+
+    admission  queue full -> RESOURCE_EXHAUSTED / 429 at once
+    readiness  draining or never ready -> UNAVAILABLE at once; ready before (an upstream is
+               down or restarting) -> wait for it up to --upstream-wait, then UNAVAILABLE
+    build()    the API's request -> GenerationRequest, validated (INVALID_ARGUMENT)
+    stream     waits for a running slot, then the loop; cancelling it releases the sequences"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 
 from dflash.v1 import gateway_pb2
+from gateway.admission import Admission, Ticket
 from gateway.loop import Event, Generation
 from gateway.request import GenerationRequest, Limits, validate
 from gateway.state import GatewayState
@@ -17,47 +26,84 @@ from services.common.errors import Unavailable
 class GatewayService:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
-        self._slots = asyncio.Semaphore(state.config.max_running)
+        cfg = state.config
+        self.admission = Admission(cfg.max_running, cfg.max_waiting, cfg.retry_after_s,
+                                   self._publish_load)
+        self.draining = False
+        self._drain_started = asyncio.Event()
+
+    # -- the way in ------------------------------------------------------------------------------
+    async def open(self, build: Callable[[], GenerationRequest], arrival: float | None = None
+                   ) -> AsyncIterator[Event]:
+        """The event stream of one request; it owns its admission ticket (iterate it inside
+        `contextlib.aclosing`; one that is dropped unstarted gives the ticket back)."""
+        arrival = time.perf_counter() if arrival is None else arrival
+        ticket = self.admission.reserve()
+        try:
+            await self.wait_ready()
+            req = self.prepare(build())
+        except BaseException:
+            ticket.close()
+            raise
+        events = self._generate(req, ticket, arrival)
+        weakref.finalize(events, ticket.close)
+        return events
 
     def require_ready(self) -> None:
+        if self.draining:
+            raise Unavailable("the gateway is shutting down: requests in flight are finishing, "
+                              "new ones are refused; retry on another replica or when it is back")
         if not self.state.ready or self.state.target_caps is None:
             raise Unavailable(f"the gateway is not ready: {self.state.reason}")
 
+    async def wait_ready(self) -> None:
+        """Ready now; or, once it was ready (an upstream went away), within --upstream-wait."""
+        s = self.state
+        if s.ready or self.draining or not s.ready_once or s.reason.startswith(
+                ("target refused", "draft refused")):
+            return self.require_ready()
+        await _first_of(s.ready_event, self._drain_started, timeout=s.config.upstream_wait_s)
+        if not s.ready and not self.draining:
+            raise Unavailable(f"the gateway is not ready after waiting "
+                              f"{s.config.upstream_wait_s:g} s (--upstream-wait): {s.reason}")
+        self.require_ready()
+
     def limits(self) -> Limits:
-        caps = self.state.target_caps
-        return Limits(vocab_size=caps.vocab_size, max_context=caps.max_context)
+        caps, cfg = self.state.target_caps, self.state.config
+        return Limits(vocab_size=caps.vocab_size, max_context=caps.max_context,
+                      max_prompt_tokens=cfg.max_prompt_tokens,
+                      max_new_tokens=cfg.max_tokens_limit)
 
     def prepare(self, req: GenerationRequest) -> GenerationRequest:
         """Readiness first (UNAVAILABLE), then the request's own checks (INVALID_ARGUMENT)."""
         self.require_ready()
         return validate(req, self.limits())
 
-    async def generate(self, req: GenerationRequest, arrival: float | None = None
-                       ) -> AsyncIterator[Event]:
-        """req must come from prepare(). Cancelling the consumer releases the sequences."""
-        arrival = time.perf_counter() if arrival is None else arrival
-        async with self._admitted():
+    async def _generate(self, req: GenerationRequest, ticket: Ticket, arrival: float
+                        ) -> AsyncIterator[Event]:
+        try:
+            await ticket.run()
             gen = Generation(self.state, req, arrival)
             async with contextlib.aclosing(gen.events()) as events:
                 async for event in events:
                     yield event
+        finally:
+            ticket.close()
 
-    @contextlib.asynccontextmanager
-    async def _admitted(self):
+    def _publish_load(self, running: int, waiting: int) -> None:
         model = self.state.metrics_model
-        waiting = metrics.WAITING.labels(model, "gateway")
-        running = metrics.RUNNING.labels(model, "gateway")
-        waiting.inc()
-        try:
-            await self._slots.acquire()
-        finally:
-            waiting.dec()
-        running.inc()
-        try:
-            yield
-        finally:
-            running.dec()
-            self._slots.release()
+        metrics.RUNNING.labels(model, "gateway").set(running)
+        metrics.WAITING.labels(model, "gateway").set(waiting)
+
+    # -- draining --------------------------------------------------------------------------------
+    def start_draining(self) -> None:
+        self.draining = True
+        self._drain_started.set()
+        self.state.start_closing()
+
+    @property
+    def idle(self) -> bool:
+        return self.admission.active == 0
 
     def model_info(self) -> gateway_pb2.ModelInfo:
         self.require_ready()
@@ -70,3 +116,13 @@ class GatewayService:
             block_size=spec.block_size, speculative=spec.draft is not None,
             target_architecture=caps.architecture, hybrid=caps.hybrid,
             mamba_verify_commit=caps.mamba_verify_commit)
+
+
+async def _first_of(*events: asyncio.Event, timeout: float) -> None:
+    """Until one of the events is set, or timeout."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()

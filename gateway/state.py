@@ -55,7 +55,10 @@ class GatewayState:
         self.draft_seen = False          # the draft was usable once (then its absence degrades)
         self.draft_grace_over = False    # start-up deadline passed: serve without the draft
         self.metrics_model = ""
+        self.ready_once = False          # it was ready before: requests wait for upstreams to return
+        self.closing = False             # SIGTERM: never ready again
         self.ready_event = asyncio.Event()
+        self.upstreams_event = asyncio.Event()   # upstreams usable (also while closing)
         self._published: bool | None = None
         self._publish_lock = asyncio.Lock()
         self._logged_reason = ""
@@ -100,6 +103,11 @@ class GatewayState:
         self.draft_grace_over = True
         self._recompute()
 
+    def start_closing(self) -> None:
+        """SIGTERM: NOT_SERVING from now on; requests in flight go on."""
+        self.closing = True
+        self._recompute()
+
     def _recompute(self) -> None:
         ready, reason = self._evaluate()
         self.ready, self.reason = ready, reason
@@ -108,12 +116,23 @@ class GatewayState:
             log.log(logging.ERROR if refused else logging.INFO, "not ready: %s", reason)
         self._logged_reason = "" if ready else reason
         if ready:
+            self.ready_once = True
             self.ready_event.set()
         else:
             self.ready_event.clear()
         asyncio.get_running_loop().create_task(self._publish())
 
     def _evaluate(self) -> tuple[bool, str]:
+        ready, reason = self._evaluate_upstreams()     # draft_ok stays right while closing
+        if ready:
+            self.upstreams_event.set()
+        else:
+            self.upstreams_event.clear()
+        if self.closing:
+            return False, "shutting down: requests in flight are finishing, new ones are refused"
+        return ready, reason
+
+    def _evaluate_upstreams(self) -> tuple[bool, str]:
         t = self.target
         if not t.serving or t.capabilities is None:
             self.draft_ok = False

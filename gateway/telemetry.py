@@ -4,10 +4,12 @@ Per step, "draft" and "verify" are the Propose and Verify round trips as the gat
 "gateway" is the rest of the step's wall time (output processing, detokenization, handing the
 event to the client, event-loop waiting), measured from the end of the previous step - so the
 three add up to the time between consecutive steps. ITL is per token: a step that delivers n
-tokens after t seconds counts n observations of t/n (as SGLang counts under speculation)."""
+tokens after t seconds counts n observations of t/n (as SGLang counts under speculation).
+HttpMetrics counts the HTTP API's requests by route template and status."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from services.common import metrics
 
@@ -58,3 +60,31 @@ class RequestTelemetry:
         metrics.REQUEST_SUCCESS.labels(m, reason).inc()
         metrics.PROMPT_TOKENS.labels(m).inc(prompt_tokens)
         metrics.GENERATION_TOKENS.labels(m).inc(completion_tokens)
+
+
+class HttpMetrics:
+    """ASGI middleware: dflash_http_requests_total{path, status} per HTTP request. `path` is the
+    matched route's template (e.g. /v1/models/{model:path}) or "other", so it stays bounded.
+    The status is the one the response started with (an error inside an SSE stream that has
+    already started counts as its 200)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500                     # an exception that escapes becomes a 500 outside
+
+        async def send_status(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = getattr(scope.get("route"), "path", "other")
+            metrics.HTTP_REQUESTS.labels(metrics.labels().model_name, path, str(status)).inc()

@@ -46,6 +46,15 @@ def channel_options(config: GatewayConfig) -> list[tuple[str, Any]]:
     ]
 
 
+def _channel(address: str, config: GatewayConfig) -> grpc.aio.Channel:
+    """TLS (services/common/tls.py) when --upstream-ca is given, else plaintext."""
+    tls = config.upstream_tls
+    if not tls.enabled:
+        return grpc.aio.insecure_channel(address, options=channel_options(config))
+    return grpc.aio.secure_channel(address, tls.credentials(),
+                                   options=channel_options(config) + tls.channel_options())
+
+
 class Upstream:
     """`serving` and `capabilities` change only on the event loop; `on_change()` is called after
     every change. `capabilities` is fetched on each transition to SERVING (a restarted service
@@ -56,7 +65,7 @@ class Upstream:
         self.role, self.address, self.service_name = role, address, service_name
         self.config = config
         self.on_change = on_change
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(config))
+        self.channel = _channel(address, config)
         self.stub = stub_factory(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.serving = False

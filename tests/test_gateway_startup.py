@@ -240,10 +240,11 @@ def test_sigterm_with_a_request_in_flight(tiny_llama_dir, smollm2_dir, logs):
 
 
 def test_target_gone_for_good_ends_streams_with_an_error(tiny_llama_dir, smollm2_dir, logs):
-    """The target dies mid-stream and does not come back within the step deadline: the SSE
+    """The target dies mid-stream and does not come back within --upstream-wait: the SSE
     stream ends with an OpenAI error object and [DONE], the gRPC stream with UNAVAILABLE."""
     target = start_target(tiny_llama_dir, logs)
-    gw = start_gateway(target.address, smollm2_dir, logs, "--step-timeout", "3")
+    gw = start_gateway(target.address, smollm2_dir, logs, "--step-timeout", "3",
+                       "--upstream-wait", "3")
     try:
         model = httpx.get(f"{gw.http_url}/v1/models").json()["data"][0]["id"]
         body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True,

@@ -74,6 +74,7 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._running = 0             # works of the batch being run (they stay queued meanwhile)
         self.iterations = 0
 
     def start(self) -> None:
@@ -87,8 +88,15 @@ class EngineLoop:
 
     @property
     def waiting(self) -> int:
+        """Works queued and not in the batch being run."""
         with self._cv:
-            return len(self._urgent) + len(self._prompts)
+            return len(self._urgent) + len(self._prompts) - self._running
+
+    @property
+    def running(self) -> int:
+        """Works in the batch being run (0 between batches)."""
+        with self._cv:
+            return self._running
 
     async def submit(self, work: Work) -> Any:
         loop = asyncio.get_running_loop()
@@ -135,6 +143,7 @@ class EngineLoop:
                     budget -= n
                     if budget <= 0:
                         break
+            self._running = len(batch)
             return batch
 
     def _run(self) -> None:
@@ -164,6 +173,7 @@ class EngineLoop:
                         for queue in (self._urgent, self._prompts):
                             if w in queue:
                                 queue.remove(w)
+                self._running = 0
 
     @staticmethod
     def _safe(fn: Callable[[], Any]) -> None:

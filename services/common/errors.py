@@ -41,8 +41,26 @@ class NotReady(Unavailable):
     """Asked for something that exists only after start-up reached a later stage."""
 
 
+# Outcomes logged at DEBUG (one line per RPC); the others at INFO (INTERNAL also with a traceback).
+QUIET_CODES = frozenset({grpc.StatusCode.OK, grpc.StatusCode.CANCELLED})
+
+
+def log_rpc(method: str, code: grpc.StatusCode, seconds: float, seq: str = "",
+            request_id: str = "") -> None:
+    """One line per RPC: method, status, time, and the request / sequence id where known."""
+    level = logging.DEBUG if code in QUIET_CODES else logging.INFO
+    if log.isEnabledFor(level):
+        extra = {"method": method, "code": code.name, "ms": round(seconds * 1000, 2)}
+        if request_id:
+            extra["request_id"] = request_id[:128]
+        if seq:
+            extra["seq"] = seq[:128]
+        log.log(level, "rpc", extra=extra)
+
+
 def rpc(method: Callable) -> Callable:
-    """Wrap an async unary servicer method: ServiceError -> its status; other errors -> INTERNAL."""
+    """Wrap an async unary servicer method: ServiceError -> its status; other errors -> INTERNAL.
+    Every call is counted (dflash_rpc_requests_total) and logged (log_rpc)."""
 
     from services.common import metrics
 
@@ -50,6 +68,7 @@ def rpc(method: Callable) -> Callable:
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
         t0 = time.perf_counter()
         code = grpc.StatusCode.OK
+        seq = getattr(request, "sequence_id", "")
         try:
             return await method(self, request, context)
         except ServiceError as e:
@@ -63,9 +82,11 @@ def rpc(method: Callable) -> Callable:
             raise
         except Exception as e:  # a bug: report it as INTERNAL with its text, keep serving
             code = grpc.StatusCode.INTERNAL
-            log.exception("internal error in %s", method.__name__)
+            log.exception("internal error in %s", method.__name__, extra={"seq": seq[:128]})
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
         finally:
-            metrics.observe_rpc(method.__name__, code.name, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            metrics.observe_rpc(method.__name__, code.name, seconds)
+            log_rpc(method.__name__, code, seconds, seq)
 
     return wrapper

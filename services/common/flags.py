@@ -12,8 +12,9 @@ def env_name(flag: str) -> str:
 
 
 def add(parser: argparse.ArgumentParser, flag: str, default: Any = None, type: Any = str,
-        help: str = "", **kw: Any) -> None:
-    """Adds --flag whose default comes from $DFLASH_FLAG when set."""
+        help: str = "", secret: bool = False, **kw: Any) -> None:
+    """Adds --flag whose default comes from $DFLASH_FLAG when set (secret: --help does not
+    print the value)."""
     env = os.environ.get(env_name(flag))
     if env is not None:
         if kw.get("action") == "store_true":
@@ -25,8 +26,9 @@ def add(parser: argparse.ArgumentParser, flag: str, default: Any = None, type: A
     if kw.get("action") == "store_true":
         parser.add_argument(flag, default=bool(default), help=f"{help} [env {env_name(flag)}]", **kw)
     else:
+        shown = "(hidden)" if secret and default else default
         parser.add_argument(flag, default=default, type=type,
-                            help=f"{help} [env {env_name(flag)}; default {default}]", **kw)
+                            help=f"{help} [env {env_name(flag)}; default {shown}]", **kw)
 
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)

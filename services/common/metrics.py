@@ -7,8 +7,10 @@ Spec-decode counters follow vLLM's set, so mean acceptance length is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 # Latency buckets wide enough for a 2-core CPU (seconds per step) and an H200 (ms per step).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.04, 0.06, 0.08,
@@ -41,8 +43,10 @@ PROMPT_TOKENS = Counter("dflash_prompt_tokens", "Prompt tokens of finished reque
 GENERATION_TOKENS = Counter("dflash_generation_tokens", "Generated tokens", L)
 REQUEST_SUCCESS = Counter("dflash_request_success", "Finished requests by finish reason",
                           L + ["finished_reason"])
-RUNNING = Gauge("dflash_requests_running", "Requests being generated", L + ["service"])
-WAITING = Gauge("dflash_requests_waiting", "Requests or work items waiting", L + ["service"])
+RUNNING = Gauge("dflash_requests_running", "Requests being generated (gateway); work items in "
+                "the engine's current batch (target, draft)", L + ["service"])
+WAITING = Gauge("dflash_requests_waiting", "Requests waiting for a slot (gateway); work items "
+                "queued for the engine (target, draft)", L + ["service"])
 KV_USAGE = Gauge("dflash_kv_cache_usage_ratio", "Fraction of KV pages in use", L + ["service"])
 STATE_USAGE = Gauge("dflash_state_pool_usage_ratio", "Fraction of recurrent state slots in use",
                     L + ["service"])
@@ -58,6 +62,39 @@ UPSTREAM_ERRORS = Counter("dflash_upstream_errors", "Errors of gateway calls to 
 FORWARD_SECONDS = Histogram("dflash_forward_seconds", "Engine forward time per iteration",
                             L + ["service"], buckets=LATENCY_BUCKETS)
 FORWARD_TOKENS = Counter("dflash_forward_tokens", "Tokens put through the model", L + ["service"])
+HTTP_REQUESTS = Counter("dflash_http_requests", "Gateway HTTP API requests by route and status",
+                        L + ["path", "status"])
+
+STAGES = ("draft", "verify", "gateway")                              # dflash_step_seconds{stage}
+FINISH_REASONS = ("stop", "length", "abort", "error")                # ..._success{finished_reason}
+UPSTREAMS = ("target", "draft")
+UPSTREAM_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")                # the usual ones, at 0 from start
+
+
+@dataclass(frozen=True)
+class Exports:
+    """Series a service creates at start-up (at 0), so that rate()/increase() also count their
+    first increments and dashboards show zeros rather than gaps."""
+    by_model: tuple[MetricWrapperBase, ...] = ()          # labels (model_name,)
+    by_service: tuple[MetricWrapperBase, ...] = ()        # labels (model_name, service)
+    # (metric, label values after model_name, one tuple per series)
+    by_values: tuple[tuple[MetricWrapperBase, tuple[tuple[str, ...], ...]], ...] = ()
+
+
+_ENGINE = Exports(by_service=(RUNNING, WAITING, KV_USAGE, SEQUENCES, FORWARD_SECONDS,
+                              FORWARD_TOKENS))
+EXPORTS: dict[str, Exports] = {
+    "gateway": Exports(
+        by_model=(SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, TTFT, ITL, E2E, FEATURE_BYTES,
+                  PROMPT_TOKENS, GENERATION_TOKENS),
+        by_service=(RUNNING, WAITING),
+        by_values=((STEP, tuple((stage,) for stage in STAGES)),
+                   (REQUEST_SUCCESS, tuple((reason,) for reason in FINISH_REASONS)),
+                   (UPSTREAM_ERRORS, tuple((up, code) for up in UPSTREAMS
+                                           for code in UPSTREAM_CODES)))),
+    "target": _ENGINE,
+    "draft": _ENGINE,
+}
 
 
 @dataclass(frozen=True)
@@ -70,11 +107,19 @@ _labels: Labels | None = None
 
 
 def init(model_name: str, service: str) -> Labels:
-    """Once per process. Readiness starts at 0."""
+    """Once per process. Readiness starts at 0; the service's series of EXPORTS exist from now."""
     global _labels
     assert _labels is None or _labels == Labels(model_name, service), "metrics.init called twice"
     _labels = Labels(model_name, service)
     READY.labels(model_name, service).set(0)
+    exports = EXPORTS.get(service, Exports())
+    for metric in exports.by_model:
+        metric.labels(model_name)
+    for metric in exports.by_service:
+        metric.labels(model_name, service)
+    for metric, series in exports.by_values:
+        for values in series:
+            metric.labels(model_name, *values)
     return _labels
 
 
@@ -93,12 +138,31 @@ def observe_rpc(method: str, code: str, seconds: float) -> None:
     RPC_SECONDS.labels(lb.model_name, lb.service, method).observe(seconds)
 
 
+class Queue(Protocol):
+    """What an engine loop tells about its work (services/common/engine_loop.py)."""
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+
+
+def watch_queue(queue: Queue) -> None:
+    """dflash_requests_running / _waiting of this service read `queue` at scrape time."""
+    lb = labels()
+    RUNNING.labels(lb.model_name, lb.service).set_function(lambda: queue.running)
+    WAITING.labels(lb.model_name, lb.service).set_function(lambda: queue.waiting)
+
+
 def record_acceptance(model_name: str, drafts: int, accepted: int) -> None:
-    """One verify step with `drafts` draft tokens of which the first `accepted` were accepted."""
+    """One verify step with `drafts` draft tokens of which the first `accepted` were accepted.
+    Positions 0..drafts-1 all get a series (0 until accepted there), so per-position rates
+    exist for every position drafted."""
     if drafts <= 0:
         return
     SPEC_DRAFTS.labels(model_name).inc()
     SPEC_DRAFT_TOKENS.labels(model_name).inc(drafts)
     SPEC_ACCEPTED.labels(model_name).inc(accepted)
-    for pos in range(min(accepted, MAX_POSITIONS)):
-        SPEC_ACCEPTED_POS.labels(model_name, str(pos)).inc()
+    for pos in range(min(drafts, MAX_POSITIONS)):
+        counter = SPEC_ACCEPTED_POS.labels(model_name, str(pos))
+        if pos < accepted:
+            counter.inc()

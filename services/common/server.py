@@ -1,19 +1,26 @@
-"""gRPC server bootstrap shared by the model services: limits, keepalive, health, reflection,
-and a graceful stop on SIGTERM/SIGINT (health goes NOT_SERVING first)."""
+"""gRPC server bootstrap shared by the three services: limits, keepalive, TLS (services/common/
+tls.py), health, reflection, the guard interceptor (services/common/guard.py), and the drain on
+SIGTERM/SIGINT: health NOT_SERVING first, new work refused, the rest finished within the grace
+period, then the server stops."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.guard import Drain, GuardInterceptor, wait_idle
+from services.common.tls import ServerTls
+
 log = logging.getLogger("dflash.server")
 
 MiB = 1024 * 1024
+STOP_GRACE_S = 2.0
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -53,15 +60,31 @@ class Readiness:
 
 
 def build_server(port: int, host: str, max_message_bytes: int, readiness: Readiness,
-                 register: Callable[[grpc.aio.Server], list[str]]) -> grpc.aio.Server:
-    """`register(server)` adds the servicers and returns their full service names."""
-    server = grpc.aio.server(options=server_options(max_message_bytes))
+                 register: Callable[[grpc.aio.Server], list[str]], tls: ServerTls | None = None,
+                 drain: Drain | None = None,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 max_receive_bytes: int | None = None) -> grpc.aio.Server:
+    """`register(server)` adds the servicers and returns their full service names. tls None or
+    disabled: plaintext. max_receive_bytes: a smaller limit on incoming messages (the gateway's
+    public port); requests past a limit are answered RESOURCE_EXHAUSTED by grpc."""
+    options = server_options(max_message_bytes)
+    if max_receive_bytes is not None:
+        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    server = grpc.aio.server(options=options,
+                             interceptors=[*interceptors, GuardInterceptor(drain)])
     names = register(server)
     health_pb2_grpc.add_HealthServicer_to_server(readiness.health, server)
     reflection.enable_server_reflection(
         names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                  reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if tls is not None and tls.enabled:
+        bound = server.add_secure_port(address, tls.credentials())
+        log.info("TLS on %s%s", address,
+                 " (mutual: client certificates required)" if tls.mutual else "")
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     return server
@@ -74,9 +97,18 @@ def install_stop_signals(stop: asyncio.Event) -> None:
 
 
 async def serve_until_stopped(server: grpc.aio.Server, readiness: Readiness, stop: asyncio.Event,
-                              grace_s: float = 5.0) -> None:
+                              drain: Drain | None = None) -> None:
+    """After `stop`: NOT_SERVING, then drain (new work refused by the guard; the rest may finish
+    until drain.idle() or the grace period), then the server stops, giving RPCs still running
+    STOP_GRACE_S (long-lived health Watch streams of clients would otherwise hold it)."""
     await stop.wait()
-    log.info("stopping: health NOT_SERVING, draining for up to %.1f s", grace_s)
+    drain = drain or Drain(grace_s=5.0)
+    t0 = time.monotonic()
+    log.info("stopping: health NOT_SERVING, draining for up to %.1f s", drain.grace_s)
     await readiness.set(False)
+    drain.draining = True
+    idle = await wait_idle(drain)
     await readiness.health.enter_graceful_shutdown()
-    await server.stop(grace_s)
+    await server.stop(STOP_GRACE_S)
+    log.info("stopped", extra={"drained": idle, "refused_while_draining": drain.refused,
+                               "seconds": round(time.monotonic() - t0, 2)})

@@ -13,7 +13,8 @@ import time
 import torch
 
 from runtime.config import default_model_id
-from services.common import flags, metrics
+from services.common import flags, metrics, tls
+from services.common.guard import Drain
 from services.common.logs import setup_logging
 from services.common.metrics_server import start_metrics
 from services.common.server import (
@@ -58,12 +59,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--metrics-port", 0, int, "Prometheus /metrics port (0 = off)")
     flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
     flags.add(p, "--log-level", "INFO", str, "DEBUG | INFO | WARNING")
+    flags.add(p, "--drain-grace", 30.0, float, "SIGTERM: seconds for the sequences it holds to "
+              "be released (Proposes that start a sequence are refused meanwhile) before it exits")
+    tls.add_server_flags(p)
     flags.add(p, "--warmup-delay", 0.0, float, "testing: extra seconds of warm-up")
     args = p.parse_args(argv)
     if not args.target_model:
         p.error("--target-model (or DFLASH_TARGET_MODEL) is required")
     if args.drafter == "dflash" and not args.model:
         p.error("--model (or DFLASH_MODEL) is required for --drafter dflash")
+    try:
+        tls.check_readable(tls.server_from_args(args))
+    except tls.TlsConfigError as e:
+        p.error(str(e))
     return args
 
 
@@ -121,8 +129,12 @@ async def serve(args: argparse.Namespace, config: DraftConfig) -> int:
     readiness = Readiness(draft_servicer.SERVICE_NAME)
     await readiness.start()
     servicer = draft_servicer.DraftServicer(config.lease_seconds)
+    # draining: no new sequences (a Propose from position 0); the others go on until released
+    drain = Drain(args.drain_grace, idle=lambda: not _live_sequences(servicer),
+                  refuse=_starts_sequence)
     server = build_server(args.port, args.host, args.max_message_mib * MiB, readiness,
-                          lambda s: draft_servicer.add_to_server(servicer, s))
+                          lambda s: draft_servicer.add_to_server(servicer, s),
+                          tls=tls.server_from_args(args), drain=drain)
     await server.start()
     log.info("listening (NOT_SERVING until ready)", extra={"port": args.port})
     stop = asyncio.Event()
@@ -139,10 +151,19 @@ async def serve(args: argparse.Namespace, config: DraftConfig) -> int:
     log.info("serving", extra={"drafter": engine.drafter.facts.kind,
                                "model": engine.drafter.facts.model_id})
     try:
-        await serve_until_stopped(server, readiness, stop)
+        await serve_until_stopped(server, readiness, stop, drain)
     finally:
         engine.stop()
     return 0
+
+
+def _live_sequences(servicer: draft_servicer.DraftServicer) -> int:
+    engine = servicer.engine
+    return len(engine.seqs) if engine is not None else 0
+
+
+def _starts_sequence(method: str, request) -> bool:
+    return method == "Propose" and len(request.positions) > 0 and request.positions[0] == 0
 
 
 def main(argv: list[str] | None = None) -> int:

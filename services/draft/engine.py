@@ -50,6 +50,7 @@ class DraftEngine:
         self._last_lease_check = time.monotonic()
 
     def start(self) -> None:
+        metrics.watch_queue(self.loop)          # running/waiting, read at scrape time
         self.loop.start()
 
     def stop(self) -> None:
@@ -143,7 +144,6 @@ class DraftEngine:
         lb = metrics.labels()
         metrics.KV_USAGE.labels(lb.model_name, lb.service).set(self.drafter.kv_usage())
         metrics.SEQUENCES.labels(lb.model_name, lb.service).set(len(self.seqs))
-        metrics.WAITING.labels(lb.model_name, lb.service).set(self.loop.waiting)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _release(self, seq_id: str) -> bool:

@@ -59,6 +59,7 @@ class TargetEngine:
         self._last_lease_check = time.monotonic()
 
     def start(self) -> None:
+        metrics.watch_queue(self.loop)          # running/waiting, read at scrape time
         self.loop.start()
 
     def stop(self) -> None:
@@ -319,7 +320,6 @@ class TargetEngine:
         lb = metrics.labels()
         metrics.KV_USAGE.labels(lb.model_name, lb.service).set(self.worker.kv_cache.usage())
         metrics.SEQUENCES.labels(lb.model_name, lb.service).set(len(self.seqs))
-        metrics.WAITING.labels(lb.model_name, lb.service).set(self.loop.waiting)
         if (pool := self.worker.state_pool) is not None:
             metrics.STATE_USAGE.labels(lb.model_name, lb.service).set(pool.usage())
 
