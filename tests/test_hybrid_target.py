@@ -131,6 +131,8 @@ def test_state_slots_run_out_and_nothing_leaks(hybrid_dir, logs):
         for i in range(3):                                  # all three slots are free again
             client.prefill(f"again{i}", PROMPT)
         expect_status(lambda: client.prefill("again3", PROMPT), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        for i in range(3):            # a SIGTERM'd target waits (--drain-grace) for held sequences
+            assert client.release(f"again{i}")
     finally:
         client.close()
         assert server.stop() == 0
