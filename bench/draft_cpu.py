@@ -100,7 +100,7 @@ class Bench:
 def grpc_latency(draft: Path, target: Path, steps: int) -> dict[str, float]:
     import grpc
 
-    from dflash.v1 import draft_pb2, draft_pb2_grpc
+    from dflash.v1 import common_pb2, draft_pb2, draft_pb2_grpc
     from services.common import tensor_codec
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "services.draft", "--model", str(draft),
@@ -127,6 +127,7 @@ def grpc_latency(draft: Path, target: Path, steps: int) -> dict[str, float]:
                     new_features=tensor_codec.encode(step), anchor=7, block_size=16), timeout=60)
                 if k >= 2:
                     samples.append(time.perf_counter() - t0)
+            stub.Release(common_pb2.ReleaseRequest(sequence_id="g"), timeout=30)
     finally:
         proc.terminate()
         proc.wait(30)

@@ -10,8 +10,8 @@
                the event to the client);
      overhead = wire + gateway, i.e. everything outside the two services' handlers (their
                compute and batching queues).
-   Two configurations: a random DFlash drafter (block 16, features on the wire) and none
-   (autoregressive: Verify of one token).
+   Two configurations: the shipped trained DFlash drafter (block 16, features on the wire) and
+   none (autoregressive: Verify of one token).
 2. End to end: `dflash up` (the launcher's Stack, default drafter) against transformers'
    `generate` on the same prompts, one request at a time, greedy, prefill included; the stack's
    output is checked token-identical to transformers' greedy.
@@ -310,12 +310,13 @@ NOTES = """Reading the tables: the services' handler times include their batchin
 concurrency 32 one target iteration serves every sequence's Verify, so each handler waits about a
 whole iteration). What the gateway adds - its own work plus the round trips beyond the handlers -
 is a few milliseconds per step and a few percent of it; it grows with concurrency mostly because
-the three processes share two cores (event-loop and CPU waits show up as wire time). The random
-DFlash drafter's acceptance is about zero, so its rows measure cost, not benefit; it is left out of
-the end-to-end table. On this CPU a 135M fp32 model decodes in about one weight read per token and
-a 16-token verify costs about two decode steps, so prompt lookup pays off on copy-like answers and
-costs a little on open chat; `dflash up` spreads one request over three processes, which
-transformers in one process does not pay for."""
+the three processes share two cores (event-loop and CPU waits show up as wire time). The DFlash
+rows use the drafter shipped for SmolLM2 (models/smollm2-135m-instruct-dflash); its acceptance
+length is low (about 1.5), and on this CPU a 135M fp32 model decodes in about one weight read per
+token while a 16-token verify costs about 1.8 decode steps and a propose about 0.6 more, so
+speculation with it costs more than it saves here (see "Trained DFlash drafter" below); prompt
+lookup pays off on copy-like answers and costs a little on open chat. `dflash up` spreads one
+request over three processes, which transformers in one process does not pay for."""
 
 
 def write_section(doc: Path, text: str) -> None:

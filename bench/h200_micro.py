@@ -140,8 +140,6 @@ def target_steps(tdir: Path, device: str, rec: Recorder, batches, blocks, ctx: i
             rec.put(f"target_{backend}_bs{bs}_B{b}", row)
         for t in tables:
             w.kv_cache.release(t)
-    del w
-    torch.cuda.empty_cache() if device == "cuda" else None
     return out
 
 

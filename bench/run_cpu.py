@@ -11,6 +11,7 @@ BENCHES = [
     ["bench.hybrid_cpu"],
     ["bench.gateway_cpu"],
     ["dflash.cli", "eval-draft", "--out", "bench/results/drafter_eval.json"],
+    ["bench.drafter_cpu"],
 ]
 
 
