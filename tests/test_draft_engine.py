@@ -75,7 +75,7 @@ def test_lease_expiry_frees_the_cache(tiny_draft, tiny_qwen3_dir):
         deadline = time.monotonic() + 5
         while engine.seqs and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not engine.seqs and engine.stats.expired == 1
+        assert not engine.seqs and engine.leases.expired == 1
         assert engine.drafter.kv_usage() == 0
         more = ProposeCall(first.seq_id, first.num_new, 1, first.features[:1], [], 3, 8)
         with pytest.raises(NotFound, match="lease expired"):

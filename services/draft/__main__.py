@@ -24,6 +24,7 @@ from services.common.server import (
     install_stop_signals,
     serve_until_stopped,
 )
+from services.common.service_flags import add_model_service_flags
 from services.draft import servicer as draft_servicer
 from services.draft.config import DraftConfig
 from services.draft.drafter import DRAFTERS, Drafter, DrafterRefused, make_drafter
@@ -41,28 +42,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--target-model", "", str, "the target's HF directory (embedding, LM head, "
                                             "tokenizer fingerprint)")
     flags.add(p, "--drafter", "dflash", str, " | ".join(DRAFTERS))
-    flags.add(p, "--port", 50052, int, "gRPC port")
-    flags.add(p, "--host", "0.0.0.0", str, "listen address")
-    flags.add(p, "--device", "cpu", str, "cpu | cuda | cuda:N")
-    flags.add(p, "--dtype", "float32", str, "float32 | bfloat16 | float16")
-    flags.add(p, "--attention-backend", "torch", str, "torch | triton | flashinfer")
-    flags.add(p, "--kv-budget", "256MiB", flags.parse_size, "memory for context KV pages")
-    flags.add(p, "--page-size", 16, int, "tokens per KV page")
+    add_model_service_flags(
+        p, port=50052, kv_budget="256MiB", kv_help="memory for context KV pages",
+        token_budget=4096, token_help="feature rows + block tokens per engine iteration",
+        drain_help="SIGTERM: seconds for the sequences it holds to be released (Proposes that "
+                   "start a sequence are refused meanwhile) before it exits")
     flags.add(p, "--max-block-size", 0, int, "largest Propose block (0 = the drafter's block size)")
     flags.add(p, "--block-size", 8, int, "prompt lookup: the block size it advertises")
     flags.add(p, "--max-ngram", 4, int, "prompt lookup: longest suffix n-gram matched")
     flags.add(p, "--min-ngram", 1, int, "prompt lookup: shortest suffix n-gram matched")
-    flags.add(p, "--token-budget", 4096, int, "feature rows + block tokens per engine iteration")
-    flags.add(p, "--lease-seconds", 120.0, float, "idle time after which a sequence is freed")
     flags.add(p, "--feature-dtype", "bfloat16", str, "dtype Propose features arrive in")
-    flags.add(p, "--model-id", "", str, "name reported in capabilities and metrics")
-    flags.add(p, "--metrics-port", 0, int, "Prometheus /metrics port (0 = off)")
-    flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
-    flags.add(p, "--log-level", "INFO", str, "DEBUG | INFO | WARNING")
-    flags.add(p, "--drain-grace", 30.0, float, "SIGTERM: seconds for the sequences it holds to "
-              "be released (Proposes that start a sequence are refused meanwhile) before it exits")
-    tls.add_server_flags(p)
-    flags.add(p, "--warmup-delay", 0.0, float, "testing: extra seconds of warm-up")
     args = p.parse_args(argv)
     if not args.target_model:
         p.error("--target-model (or DFLASH_TARGET_MODEL) is required")

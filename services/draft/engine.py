@@ -14,6 +14,7 @@ from runtime.kv_cache import OutOfPages
 from services.common import metrics
 from services.common.engine_loop import EngineLoop, Work
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, ServiceError
+from services.common.leases import LeaseSweeper
 from services.draft.config import DraftConfig
 from services.draft.drafter import Drafter, ProposeItem
 from services.draft.sequence import DraftSequence
@@ -46,8 +47,8 @@ class DraftEngine:
         self.seqs: dict[str, DraftSequence] = {}
         self.loop = EngineLoop(self._step, config.token_budget, name="draft-engine",
                                on_idle=self._expire_leases)
+        self.leases = LeaseSweeper(config.lease_seconds, self._release)
         self.stats = EngineStats()
-        self._last_lease_check = time.monotonic()
 
     def start(self) -> None:
         metrics.watch_queue(self.loop)          # running/waiting, read at scrape time
@@ -66,7 +67,8 @@ class DraftEngine:
 
     # -- engine thread -------------------------------------------------------------------------
     def _step(self, batch: list[tuple[Work, int]]) -> None:
-        self._maybe_expire()
+        if self.leases.maybe_sweep(self.seqs):
+            self._update_gauges()
         seen: set[str] = set()
         admitted: list[tuple[Work, ProposeItem]] = []
         for work, _ in batch:
@@ -153,19 +155,8 @@ class DraftEngine:
         self.drafter.release(seq)
         return True
 
-    def _maybe_expire(self) -> None:
-        if time.monotonic() - self._last_lease_check > 1.0:
-            self._expire_leases()
-
     def _expire_leases(self) -> None:
-        self._last_lease_check = now = time.monotonic()
-        lease = self.config.lease_seconds
-        expired = [s.seq_id for s in self.seqs.values() if now - s.last_used > lease]
-        for seq_id in expired:
-            log.info("lease expired", extra={"seq": seq_id})
-            self._release(seq_id)
-            self.stats.expired += 1
-        if expired:
+        if self.leases.sweep(self.seqs):
             self._update_gauges()
 
 
@@ -176,7 +167,6 @@ class EngineStats:
         self.max_batch = 0
         self.tokens = 0
         self.seconds = 0.0
-        self.expired = 0
 
     def record(self, batch_size: int, tokens: int, seconds: float) -> None:
         self.batches += 1

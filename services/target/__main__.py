@@ -19,6 +19,7 @@ from services.common.server import (
     install_stop_signals,
     serve_until_stopped,
 )
+from services.common.service_flags import add_model_service_flags
 from services.target import servicer as target_servicer
 from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
@@ -30,26 +31,14 @@ log = logging.getLogger("dflash.target")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.target", description=__doc__)
     flags.add(p, "--model", help="HF-format model directory (config.json + safetensors)")
-    flags.add(p, "--port", 50051, int, "gRPC port")
-    flags.add(p, "--host", "0.0.0.0", str, "listen address")
-    flags.add(p, "--device", "cpu", str, "cpu | cuda | cuda:N")
-    flags.add(p, "--dtype", "float32", str, "float32 | bfloat16 | float16")
-    flags.add(p, "--attention-backend", "torch", str, "torch | triton | flashinfer")
-    flags.add(p, "--kv-budget", "1GiB", flags.parse_size, "memory for KV pages (and state pool)")
-    flags.add(p, "--page-size", 16, int, "tokens per KV page")
+    add_model_service_flags(
+        p, port=50051, kv_budget="1GiB", kv_help="memory for KV pages (and state pool)",
+        token_budget=512, token_help="tokens per engine iteration (chunked prefill)",
+        drain_help="SIGTERM: seconds for the sequences it holds to finish (new Prefills are "
+                   "refused meanwhile) before it exits")
     flags.add(p, "--max-context", 0, int, "max tokens per sequence (0 = the model's)")
     flags.add(p, "--max-block-size", 32, int, "largest verify block (anchor + drafts)")
-    flags.add(p, "--token-budget", 512, int, "tokens per engine iteration (chunked prefill)")
-    flags.add(p, "--lease-seconds", 120.0, float, "idle time after which a sequence is freed")
     flags.add(p, "--state-slots", 64, int, "hybrid models: sequences the recurrent state pool holds")
-    flags.add(p, "--model-id", "", str, "name reported in capabilities (default: directory name)")
-    flags.add(p, "--metrics-port", 0, int, "Prometheus /metrics port (0 = off)")
-    flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
-    flags.add(p, "--log-level", "INFO", str, "DEBUG | INFO | WARNING")
-    flags.add(p, "--drain-grace", 30.0, float, "SIGTERM: seconds for the sequences it holds to "
-              "finish (new Prefills are refused meanwhile) before it exits")
-    tls.add_server_flags(p)
-    flags.add(p, "--warmup-delay", 0.0, float, "testing: extra seconds of warm-up")
     flags.add(p, "--no-cuda-graphs", action="store_true",
               help="run every forward eagerly (graphs: CUDA + triton backend only)")
     flags.add(p, "--graph-block-sizes", "1,16", _int_list, "verify block sizes captured as graphs")

@@ -11,13 +11,25 @@ import torch
 
 from runtime.attention.metadata import SeqSlice
 from runtime.kv_cache import OutOfPages
-from runtime.sampling import (Acceptance, SamplingConfig, greedy_accept, rejection_accept,
-                              suppress_tokens, target_probs)
+from runtime.sampling import (
+    Acceptance,
+    SamplingConfig,
+    greedy_accept,
+    rejection_accept,
+    suppress_tokens,
+    target_probs,
+)
 from runtime.state_pool import OutOfStateSlots
 from services.common import metrics
 from services.common.engine_loop import EngineLoop, Work
-from services.common.errors import (FailedPrecondition, InvalidArgument, NotFound,
-                                    ResourceExhausted, ServiceError)
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    ServiceError,
+)
+from services.common.leases import LeaseSweeper
 from services.target.sequence import TargetSequence
 from services.target.worker import TargetWorker
 
@@ -55,8 +67,8 @@ class TargetEngine:
         self.seqs: dict[str, TargetSequence] = {}
         self.loop = EngineLoop(self._step, worker.config.token_budget, name="target-engine",
                                on_idle=self._expire_leases)
+        self.leases = LeaseSweeper(worker.config.lease_seconds, self._release)
         self.stats = EngineStats()
-        self._last_lease_check = time.monotonic()
 
     def start(self) -> None:
         metrics.watch_queue(self.loop)          # running/waiting, read at scrape time
@@ -78,7 +90,7 @@ class TargetEngine:
 
     # -- engine thread -------------------------------------------------------------------------
     def _step(self, batch: list[tuple[Work, int]]) -> None:
-        self._maybe_expire()
+        self.leases.maybe_sweep(self.seqs)
         runnable: list[tuple[Work, int, TargetSequence]] = []
         busy: set[str] = set()
         for work, n in batch:
@@ -297,18 +309,9 @@ class TargetEngine:
             self.worker.state_pool.free(seq.state_slot)
         return True
 
-    def _maybe_expire(self) -> None:
-        if time.monotonic() - self._last_lease_check > 1.0:
-            self._expire_leases()
-
     def _expire_leases(self) -> None:
-        self._last_lease_check = now = time.monotonic()
-        lease = self.worker.config.lease_seconds
-        for seq_id in [s.seq_id for s in self.seqs.values() if now - s.last_used > lease]:
-            log.info("lease expired", extra={"seq": seq_id})
-            self._release(seq_id)
-            self.stats.expired += 1
-        self._publish()
+        if self.leases.sweep(self.seqs):
+            self._publish()
 
     def _resolve(self, work: Work, result: object) -> None:
         """Gauges first: a caller that reads /metrics after its reply sees its own effect."""
@@ -345,7 +348,6 @@ class EngineStats:
         self.verifies = 0
         self.draft_tokens = 0
         self.accepted_tokens = 0
-        self.expired = 0
 
     def record_verify(self, drafts: int, accepted: int) -> None:
         self.verifies += 1

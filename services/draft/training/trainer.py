@@ -17,8 +17,14 @@ from pathlib import Path
 import torch
 
 from runtime.config import read_config_json
-from runtime.models.dflash import (DFlashConfig, DFlashDraftModel, TargetFingerprint, TargetHead,
-                                   init_random, save_dflash)
+from runtime.models.dflash import (
+    DFlashConfig,
+    DFlashDraftModel,
+    TargetFingerprint,
+    TargetHead,
+    init_random,
+    save_dflash,
+)
 from runtime.models.registry import build_empty
 from runtime.weights import read_tensors
 from services.draft.training.acceptance import AcceptanceStats, simulate

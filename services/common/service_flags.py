@@ -1,0 +1,29 @@
+"""The flags every model service (target, draft) shares: where it listens, the device and
+memory it uses, its leases, limits, logs, drain and TLS. Each also reads DFLASH_<FLAG>."""
+from __future__ import annotations
+
+import argparse
+
+from services.common import flags, tls
+
+
+def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget: str,
+                            kv_help: str, token_budget: int, token_help: str,
+                            drain_help: str) -> None:
+    flags.add(p, "--port", port, int, "gRPC port")
+    flags.add(p, "--host", "0.0.0.0", str, "listen address")
+    flags.add(p, "--device", "cpu", str, "cpu | cuda | cuda:N")
+    flags.add(p, "--dtype", "float32", str, "float32 | bfloat16 | float16")
+    flags.add(p, "--attention-backend", "torch", str, "torch | triton | flashinfer")
+    flags.add(p, "--kv-budget", kv_budget, flags.parse_size, kv_help)
+    flags.add(p, "--page-size", 16, int, "tokens per KV page")
+    flags.add(p, "--token-budget", token_budget, int, token_help)
+    flags.add(p, "--lease-seconds", 120.0, float, "idle time after which a sequence is freed")
+    flags.add(p, "--model-id", "", str, "name reported in capabilities and metrics "
+                                        "(default: the model directory's name)")
+    flags.add(p, "--metrics-port", 0, int, "Prometheus /metrics port (0 = off)")
+    flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
+    flags.add(p, "--log-level", "INFO", str, "DEBUG | INFO | WARNING")
+    flags.add(p, "--drain-grace", 30.0, float, drain_help)
+    tls.add_server_flags(p)
+    flags.add(p, "--warmup-delay", 0.0, float, "testing: extra seconds of warm-up")
