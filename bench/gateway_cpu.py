@@ -25,7 +25,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.report import machine, write_section
 from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SECTION = "## Gateway / end to end (CPU)"
@@ -252,20 +252,6 @@ def end_to_end(model_dir: Path, drafters: list[str], max_tokens: int, log_dir: P
 
 
 # -- report -----------------------------------------------------------------------------------
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-            "torch": torch.__version__, "load_avg_start": os.getloadavg()[0]}
-
-
 def markdown(r: dict) -> str:
     m = r["machine"]
     noisy = (" **A shared machine under load: treat these as upper bounds and rerun on a quiet "
@@ -319,18 +305,6 @@ lookup pays off on copy-like answers and costs a little on open chat. `dflash up
 request over three processes, which transformers in one process does not pay for."""
 
 
-def write_section(doc: Path, text: str) -> None:
-    """Replaces this section of doc (its heading up to the next '## '), or appends it."""
-    old = doc.read_text() if doc.is_file() else "# Benchmarks\n"
-    if SECTION in old:
-        start = old.index(SECTION)
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text + ("\n" + old[nxt + 1:] if nxt >= 0 else "")
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    doc.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.gateway_cpu",
                                 description=__doc__.splitlines()[0])
@@ -346,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--render-only", action="store_true", help="rewrite the doc from --out")
     args = p.parse_args(argv)
     if args.render_only:
-        write_section(Path(args.doc), markdown(json.loads(Path(args.out).read_text())))
+        write_section(Path(args.doc), SECTION, markdown(json.loads(Path(args.out).read_text())))
         return
     from gateway.launcher import DEFAULT_DRAFTER
     from runtime.prepare.smollm2 import prepare_smollm2
@@ -369,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    write_section(Path(args.doc), markdown(result))
+    write_section(Path(args.doc), SECTION, markdown(result))
     print(markdown(result))
 
 

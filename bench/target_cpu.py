@@ -21,7 +21,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import threading
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import machine, write_section
 from runtime.sampling import SamplingConfig
 from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
@@ -58,7 +58,6 @@ Changes made while measuring: GQA inside SDPA (no per-layer repeat_interleave co
 attention masks built once per forward instead of once per layer, and no mask at all for
 1-token queries. For blocks of 2-4 rows, `W @ x.T` beats `x @ W.T` by about 2x on this CPU
 (and loses at 16 rows); not used, since DFlash verifies blocks of 16."""
-DOC_HEADER = "# Benchmarks\n\nNumbers measured by the scripts in `bench/`; each section says how.\n"
 
 
 def summary(samples: list[float]) -> dict[str, float]:
@@ -205,21 +204,6 @@ def grpc_verify(model_dir: Path, repeats: int, threads: int) -> list[dict]:
             for b in blocks]
 
 
-def machine() -> dict:
-    cpu, flags = platform.processor(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx_vnni", "amx_tile") if f in flags]
-    return {"cpu": cpu, "cores": os.cpu_count(), "simd": simd, "platform": platform.platform(),
-            "torch": torch.__version__, "load_avg_start": os.getloadavg()[0]}
-
-
 def table_row(label: str, cells: list[str]) -> str:
     return f"| {label} | " + " | ".join(cells) + " |"
 
@@ -268,20 +252,6 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(doc: Path, text: str) -> None:
-    """Replaces this benchmark's section of doc (from its heading to the next '## ')."""
-    old = doc.read_text() if doc.is_file() else DOC_HEADER
-    if SECTION in old:
-        start = old.index(SECTION)
-        nxt = old.find("\n## ", start + len(SECTION))
-        end = len(old) if nxt < 0 else nxt + 1
-        new = old[:start] + text + ("\n" + old[end:] if nxt >= 0 else "")
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.target_cpu",
                                 description=__doc__.splitlines()[0])
@@ -324,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    write_section(Path(args.doc), markdown(result))
+    write_section(Path(args.doc), SECTION, markdown(result))
     print(markdown(result))
 
 
