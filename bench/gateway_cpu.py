@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import os
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.report import machine, write_section
+from bench.report import machine, save, write_section
 from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SECTION = "## Gateway / end to end (CPU)"
@@ -339,11 +338,7 @@ def main(argv: list[str] | None = None) -> None:
                                            args.min_requests, Path(tmp))
         result["end_to_end"] = end_to_end(model_dir, args.e2e_drafters or [DEFAULT_DRAFTER, "none"],
                                           args.e2e_max_tokens, Path(tmp))
-    result["load_avg_end"] = os.getloadavg()[0]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    write_section(Path(args.doc), SECTION, markdown(result))
+    save(result, Path(args.out), Path(args.doc), SECTION, markdown(result))
     print(markdown(result))
 
 

@@ -2,6 +2,7 @@
 docs/benchmarks.md (from its '## ' heading to the next one) without touching the others."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
@@ -36,3 +37,11 @@ def write_section(doc: Path, heading: str, text: str) -> None:
         new = old.rstrip("\n") + "\n\n" + text
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(new)
+
+
+def save(result: dict, out: Path, doc: Path, heading: str, text: str) -> None:
+    """The run's JSON (with the load average at its end) and its section of the doc."""
+    result["load_avg_end"] = os.getloadavg()[0]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_section(doc, heading, text)

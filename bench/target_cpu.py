@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import machine, write_section
+from bench.report import machine, save
 from runtime.sampling import SamplingConfig
 from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
@@ -290,11 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_grpc:
         result["grpc"] = grpc_verify(model_dir, args.repeats, args.threads)
         print(json.dumps(result["grpc"]), flush=True)
-    result["load_avg_end"] = os.getloadavg()[0]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    write_section(Path(args.doc), SECTION, markdown(result))
+    save(result, Path(args.out), Path(args.doc), SECTION, markdown(result))
     print(markdown(result))
 
 

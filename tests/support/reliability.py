@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dflash.v1 import common_pb2, gateway_pb2
 from support.draft_service import start_draft
-from support.gateway_stack import GatewayProcess, start_gateway
+from support.gateway_stack import GatewayProcess, start_gateway, wait_until
 from support.procs import REPO, ServiceProcess, start_target
 from support.prom import scrape
 
@@ -123,13 +123,8 @@ def rpc_count(port: int, method: str, code: str) -> float:
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"{what} not reached within {timeout} s")
+    """gateway_stack.wait_until with this module's argument order."""
+    return wait_until(predicate, timeout, interval, what)
 
 
 # -- concurrent streams -------------------------------------------------------------------------
