@@ -4,6 +4,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.layers import fused
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul_torch, or one fused Triton kernel on CUDA."""
+    ops = fused.triton_ops_for(gate_up)
+    return ops.silu_and_mul(gate_up) if ops else silu_and_mul_torch(gate_up)
+
 
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up projections fused into one matrix (one GEMM instead of two)."""
@@ -15,5 +29,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H]
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

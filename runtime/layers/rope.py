@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from runtime.config import RopeConfig
+from runtime.layers import fused
 
 
 def inv_freq_and_scale(rope: RopeConfig, rotary_dim: int, max_position: int
@@ -80,10 +81,20 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, nh, hd]; k [T, nkv, hd] -> rotated (same shapes and dtype)."""
-        cos = self.cos[positions].unsqueeze(1)      # [T, 1, rd]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+        """positions [T]; q [T, nh, hd]; k [T, nkv, hd] -> rotated (same shapes and dtype);
+        one fused Triton kernel for both on CUDA."""
+        ops = fused.triton_ops_for(q, k)
+        if ops:
+            return ops.rotary(positions, q, k, self.cos, self.sin, self.rotary_dim)
+        return rope_torch(positions, q, k, self.cos, self.sin, self.rotary_dim)
+
+
+def rope_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
+               sin_table: torch.Tensor, rd: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: tables [max_position, rd]; rotates the first rd dims of each head."""
+    cos = cos_table[positions].unsqueeze(1)      # [T, 1, rd]
+    sin = sin_table[positions].unsqueeze(1)
+    return _rotate(q, cos, sin, rd), _rotate(k, cos, sin, rd)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int) -> torch.Tensor:

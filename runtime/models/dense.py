@@ -52,8 +52,24 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x [T, H]: the residual stream before this layer -> the stream after it."""
+        x, delta = self.forward_deferred(x, None, positions, rope, batch)
+        return x + delta
+
+    def forward_deferred(self, x: torch.Tensor, delta: torch.Tensor | None,
+                         positions: torch.Tensor, rope: RotaryEmbedding, batch: ForwardBatch
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is x + delta [T, H] (x alone when delta is None); each residual
+        add happens inside the norm that follows it (one kernel on CUDA). Returns (x', delta')
+        whose sum is the stream after this layer: delta' is the MLP output, still to be added.
+        On the CPU the sums are the same torch adds as `x + attn`, so results are bit-identical."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            h, x = self.input_layernorm.add_forward(x, delta)
+        h, x = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(h, positions, rope, batch))
+        return x, self.mlp(h)
 
 
 class DenseDecoder(nn.Module):
@@ -81,13 +97,13 @@ class DenseDecoder(nn.Module):
         """input_ids, positions: int64 [T] (flattened over sequences).
         Captured layer i = HF `output_hidden_states[i + 1]`: the residual stream after layer i,
         except after the last layer, where HF reports it after the final norm (so do we)."""
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None     # residual stream = x + delta
         wanted = {layer: None for layer in batch.capture_layers}
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, batch)
+            x, delta = layer.forward_deferred(x, delta, positions, self.rope, batch)
             if i in wanted:
-                wanted[i] = x
-        hidden = self.norm(x)
+                wanted[i] = x + delta
+        hidden, _ = self.norm.add_forward(x, delta)
         if len(self.layers) - 1 in wanted:
             wanted[len(self.layers) - 1] = hidden
         captured = torch.cat([wanted[i] for i in batch.capture_layers], dim=-1) if wanted else None
