@@ -73,12 +73,13 @@ def total(snapshot: dict, name: str, **labels: str) -> float:
 class Services:
     """target (+ draft) + gateway as children via the launcher's Stack, with /metrics ports."""
 
-    def __init__(self, drafter: str, log_dir: Path) -> None:
+    def __init__(self, drafter: str, log_dir: Path, **options) -> None:
+        """options: further StackOptions (device, dtype, model_dir, ... for the GPU runs)."""
         from gateway.launcher import Stack, StackOptions
         self.opts = StackOptions(http_port=free_port(), port=free_port(),
                                  target_port=free_port(), draft_port=free_port(),
                                  target_metrics_port=free_port(), draft_metrics_port=free_port(),
-                                 drafter=drafter, log_dir=str(log_dir), quiet=True)
+                                 drafter=drafter, log_dir=str(log_dir), quiet=True, **options)
         self.stack = Stack(self.opts)
 
     def __enter__(self) -> Services:  # noqa: PYI034
@@ -166,10 +167,11 @@ def overhead(drafter: str, prompts: list[list[int]], max_tokens: int, min_reques
 
 
 # -- part 2: end to end ----------------------------------------------------------------------
-def stack_run(drafter: str, prompts: list[list[int]], max_tokens: int, log_dir: Path) -> dict:
+def stack_run(drafter: str, prompts: list[list[int]], max_tokens: int, log_dir: Path,
+              **options) -> dict:
     """One request at a time through the OpenAI HTTP API (streamed), as `dflash up` serves."""
     from openai import OpenAI
-    with Services(drafter, log_dir / f"e2e-{drafter}") as svc:
+    with Services(drafter, log_dir / f"e2e-{drafter}", **options) as svc:
         client = OpenAI(base_url=f"{svc.stack.http_url}/v1", api_key="x", max_retries=0,
                         timeout=1800)
         model = client.models.list().data[0].id
@@ -203,18 +205,28 @@ def _grpc_ids(address: str, ids: list[int], max_tokens: int) -> list[int]:
 
 
 def transformers_run(model_dir: Path, prompts: list[list[int]], max_tokens: int,
-                     lookup: int = 0) -> dict:
+                     lookup: int = 0, device: str = "cpu", dtype: str = "float32",
+                     cache: str = "") -> dict:
+    """transformers' greedy `generate`, one prompt at a time (cache: "" dynamic, "static")."""
     import torch
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)
+                                                 ).to(device).eval()
     extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    if cache:
+        extra["cache_implementation"] = cache
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     runs, outputs = [], []
     with torch.no_grad():
-        model.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=4, do_sample=False)
+        for warm in prompts[:2]:
+            model.generate(torch.tensor([warm], device=device), max_new_tokens=8,
+                           do_sample=False, **extra)
         for ids in prompts:
+            sync()
             t0 = time.perf_counter()
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                                 **extra)[0, len(ids):].tolist()
+            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_tokens,
+                                 do_sample=False, **extra)[0, len(ids):].tolist()
+            sync()
             runs.append({"tokens": len(out), "seconds": time.perf_counter() - t0})
             outputs.append(out)
     return {"runs": runs, "output_ids": outputs}

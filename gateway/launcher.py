@@ -41,9 +41,15 @@ class StackOptions:
     drafter: str = DEFAULT_DRAFTER
     draft_model: str = ""              # dflash: checkpoint dir ("" = the shipped one for SmolLM2)
     block_size: int = 0
+    wire: str = ""                     # gateway --wire ("" = its default)
     log_dir: str = ""
     ready_timeout_s: float = 600.0
     quiet: bool = False
+    device: str = "cpu"                # target and draft
+    attention_backend: str = "torch"   # target and draft
+    target_args: tuple[str, ...] = ()  # extra flags, appended as given (benchmarks)
+    draft_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
 
 
 @dataclass
@@ -105,13 +111,15 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = o.model_dir or str(_prepare_default_model(o.dtype, o.quiet))
         self._add("target", "services.target", "--model", self.model_dir, "--dtype", o.dtype,
-                  "--port", o.target_port, "--host", o.host, "--metrics-port", o.target_metrics_port)
+                  "--port", o.target_port, "--host", o.host, "--metrics-port", o.target_metrics_port,
+                  *self._device_args(), *o.target_args)
         if o.drafter != "none":
             self._add("draft", "services.draft", *self._draft_args())
         self._add("gateway", "gateway", "--target", f"{o.host}:{o.target_port}",
                   "--draft", f"{o.host}:{o.draft_port}" if o.drafter != "none" else "",
                   "--tokenizer", self.model_dir, "--port", o.port, "--http-port", o.http_port,
-                  "--host", o.host, "--block-size", o.block_size)
+                  "--host", o.host, "--block-size", o.block_size,
+                  *(("--wire", o.wire) if o.wire else ()), *o.gateway_args)
         for child in self.children:
             child.start()
 
@@ -121,7 +129,10 @@ class Stack:
                 "--host", o.host, "--metrics-port", o.draft_metrics_port]
         if o.drafter == "dflash":
             args += ["--model", o.draft_model or str(self._default_drafter())]
-        return args
+        return args + ["--dtype", o.dtype, *self._device_args(), *o.draft_args]
+
+    def _device_args(self) -> list[str]:
+        return ["--device", self.opts.device, "--attention-backend", self.opts.attention_backend]
 
     def _default_drafter(self) -> Path:
         return _shipped_or_random_drafter(self.model_dir, self.opts.quiet)
@@ -234,6 +245,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"default {DEFAULT_DRAFTER}")
     p.add_argument("--draft-model", default="", help="DFlash drafter directory (--drafter dflash)")
     p.add_argument("--block-size", type=int, default=0, help="verify block size (0 = the draft's)")
+    p.add_argument("--wire", default="", choices=("", "unary", "stream"),
+                   help="gateway --wire: Propose/Verify as unary RPCs or on one stream per "
+                        "upstream (default: the gateway's)")
     p.add_argument("--log-dir", default="", help="children's logs (default: under the models home)")
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout_s)
 
@@ -244,7 +258,7 @@ def options_from_args(args: argparse.Namespace, **overrides) -> StackOptions:
         draft_port=args.draft_port, target_metrics_port=args.target_metrics_port,
         draft_metrics_port=args.draft_metrics_port, model_dir=args.model, dtype=args.dtype,
         drafter=args.drafter, draft_model=args.draft_model, block_size=args.block_size,
-        log_dir=args.log_dir, ready_timeout_s=args.ready_timeout, **overrides)
+        wire=args.wire, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout, **overrides)
 
 
 class _Stop(Exception):

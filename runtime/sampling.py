@@ -69,29 +69,55 @@ def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return probs
 
 
+def greedy_accept_batch(drafts: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """Greedy acceptance of S sequences at once, on their device (no host sync).
+    drafts int64 [S, W], padded with -1 past each sequence's drafts; argmax int64 [S, W+1] =
+    target argmax at block positions 0..W (rows past a sequence's block repeat any value).
+    Returns int64 [S, 2]: (a, bonus) with a = leading drafts equal to the argmax, bonus =
+    argmax at position a."""
+    match = (drafts == argmax[:, :-1]).to(torch.int32)
+    accepted = match.cumprod(dim=1).sum(dim=1) if drafts.shape[1] else \
+        torch.zeros(drafts.shape[0], dtype=torch.int64, device=drafts.device)
+    bonus = argmax.gather(1, accepted.long()[:, None])[:, 0]
+    return torch.stack([accepted.long(), bonus], dim=1)
+
+
 def greedy_accept(drafts: list[int], argmax: list[int]) -> Acceptance:
     """drafts [B-1]; argmax [B] = target argmax at block positions 0..B-1."""
-    a = 0
-    while a < len(drafts) and drafts[a] == argmax[a]:
-        a += 1
-    return Acceptance(a, drafts[:a] + [argmax[a]])
+    d = torch.tensor([drafts], dtype=torch.int64).reshape(1, len(drafts))
+    a, bonus = greedy_accept_batch(d, torch.tensor([argmax[: len(drafts) + 1]])).tolist()[0]
+    return Acceptance(a, drafts[:a] + [bonus])
+
+
+def rejection_accept_device(drafts: torch.Tensor, probs: torch.Tensor,
+                            generator: torch.Generator | None) -> torch.Tensor:
+    """One sequence's rejection sampling on its device, without a host sync.
+    drafts int64 [B-1] on probs.device; probs [B, V] target probabilities at block positions
+    0..B-1. Returns int64 [2]: (a, bonus). Draws: B-1 uniforms, then one multinomial."""
+    n = drafts.shape[0]
+    dev = probs.device
+    if n:
+        p_draft = probs[:n].gather(1, drafts[:, None])[:, 0]
+        u = torch.rand(n, generator=generator, device=dev)
+        rejected = u >= p_draft
+        first = rejected.to(torch.int32).argmax()               # first True (0 when none)
+        a = torch.where(rejected.any(), first.long(), torch.tensor(n, device=dev))
+    else:
+        a = torch.zeros((), dtype=torch.int64, device=dev)
+    row = probs.index_select(0, a.view(1))[0]                   # [V]
+    # residual: p with the rejected draft removed, renormalised (when a draft was rejected)
+    rejected_token = torch.cat([drafts, drafts.new_full((1,), -1)])[a]
+    removed = (torch.arange(row.shape[0], device=dev) == rejected_token) & (a < n)
+    residual = row.masked_fill(removed, 0.0)
+    total = residual.sum()
+    row = torch.where(total > 0, residual / total.clamp_min(1e-30), row)
+    bonus = torch.multinomial(row, 1, generator=generator)[0]
+    return torch.stack([a, bonus])
 
 
 def rejection_accept(drafts: list[int], probs: torch.Tensor, generator: torch.Generator
                      ) -> Acceptance:
     """drafts [B-1]; probs [B, V] target probabilities at block positions 0..B-1."""
-    if drafts:
-        p_draft = probs[torch.arange(len(drafts)), torch.tensor(drafts)]
-        u = torch.rand(len(drafts), generator=generator, device=probs.device)
-        rejected = (u >= p_draft).nonzero()
-        a = int(rejected[0]) if len(rejected) else len(drafts)
-    else:
-        a = 0
-    row = probs[a]
-    if a < len(drafts):                           # residual: p with the rejected token removed
-        row = row.clone()
-        row[drafts[a]] = 0.0
-        total = row.sum()
-        row = row / total if total > 0 else probs[a]
-    bonus = int(torch.multinomial(row, 1, generator=generator))
+    d = torch.tensor(drafts, dtype=torch.int64, device=probs.device)
+    a, bonus = rejection_accept_device(d, probs, generator).tolist()
     return Acceptance(a, drafts[:a] + [bonus])

@@ -25,5 +25,8 @@ def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget:
     flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
     flags.add(p, "--log-level", "INFO", str, "DEBUG | INFO | WARNING")
     flags.add(p, "--drain-grace", 30.0, float, drain_help)
+    flags.add(p, "--no-cuda-graphs", action="store_true",
+              help="run every forward eagerly (graphs are captured during warm-up on CUDA with "
+                   "the triton backend only)")
     tls.add_server_flags(p)
     flags.add(p, "--warmup-delay", 0.0, float, "testing: extra seconds of warm-up")

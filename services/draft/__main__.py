@@ -72,7 +72,8 @@ def config_from_args(args: argparse.Namespace) -> DraftConfig:
         max_block_size=args.max_block_size, block_size=args.block_size,
         max_ngram=args.max_ngram, min_ngram=args.min_ngram, token_budget=args.token_budget,
         lease_seconds=args.lease_seconds, feature_dtype=args.feature_dtype,
-        model_id=args.model_id, warmup_delay_s=args.warmup_delay)
+        model_id=args.model_id, warmup_delay_s=args.warmup_delay,
+        cuda_graphs=not args.no_cuda_graphs)
 
 
 def metrics_name(config: DraftConfig) -> str:
@@ -102,6 +103,8 @@ async def start_engine(servicer: draft_servicer.DraftServicer, config: DraftConf
     drafter = await asyncio.to_thread(make_drafter, config)
     servicer.stage = "building the KV cache and attention backend"
     await asyncio.to_thread(drafter.init_backend)
+    servicer.stage = "capturing CUDA graphs"
+    await asyncio.to_thread(drafter.capture_cuda_graphs)     # before SERVING: readiness waits
     engine = DraftEngine(drafter, config)
     engine.start()
     servicer.stage = "warming up"

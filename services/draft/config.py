@@ -27,6 +27,7 @@ class DraftConfig:
     feature_dtype: str = "bfloat16"    # the dtype Propose features must arrive in
     model_id: str = ""
     warmup_delay_s: float = 0.0        # tests: make warm-up observably slow
+    cuda_graphs: bool = True           # capture the propose forward during warm-up (CUDA + triton)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

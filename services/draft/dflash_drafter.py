@@ -27,7 +27,7 @@ from runtime.models.dflash import (
     checkpoint_shapes,
     load_dflash,
 )
-from runtime.models.forward import ForwardBatch
+from runtime.models.forward import ForwardBatch, ForwardOutput
 from services.draft.config import DraftConfig
 from services.draft.drafter import Drafter, DrafterFacts, DrafterRefused, ProposeItem
 
@@ -93,6 +93,7 @@ class DFlashDrafter(Drafter):
                 "max_block_size": self.facts.max_block_size, "trained": cfg.block_size})
         self.cache: PagedKVCache | None = None
         self.backend: AttentionBackend | None = None
+        self._graph = None                  # GraphRunner of the block forward (CUDA + triton)
 
     # -- start-up ----------------------------------------------------------------------------
     def init_backend(self) -> None:
@@ -120,8 +121,34 @@ class DFlashDrafter(Drafter):
     def kv_usage(self) -> float:
         return self.cache.usage() if self.cache is not None else 0.0
 
+    def capture_cuda_graphs(self) -> None:
+        """The block forward + LM-head argmax at the drafter's block size, captured per batch
+        bucket (CUDA, a backend with bind(): triton). Other block sizes and devices run eagerly."""
+        if not (self.config.cuda_graphs and self.device.type == "cuda"
+                and hasattr(self.backend, "bind")):
+            return
+        from runtime.cuda_graphs import GraphRunner
+        block = self.facts.max_block_size
+        with torch.inference_mode():
+            runner = GraphRunner(self._block_tokens, self.backend, self.cache, block,
+                                 self.facts.max_context, causal=False)
+            runner.capture()
+        self._graph = runner
+        log.info("draft cuda graphs ready", extra={"block_size": block})
+
     def propose(self, items: list[ProposeItem]) -> list[list[int]]:
-        return self.run(items).drafts
+        runner = self._graph_for(items)
+        if runner is None:
+            return self.run(items).drafts
+        try:
+            with torch.inference_mode():
+                self.append([i for i in items if i.num_new > 0])
+                slices, ids, positions = self._block_inputs(items)
+                tokens = runner.run(slices, ids, positions).hidden      # int64 [n*B]
+                rows = tokens.view(len(items), runner.q_len)[:, 1:].tolist()
+        finally:
+            self._trim(items)
+        return rows
 
     def run(self, items: list[ProposeItem]) -> BlockOutput:
         """Append every item's new features, then one block forward over all items with B > 1."""
@@ -132,9 +159,20 @@ class DFlashDrafter(Drafter):
                 hidden = self.forward_blocks(blocks) if blocks else None
                 drafts = self._greedy(blocks, hidden)
         finally:
-            for item in items:      # the block's K/V slots are never committed
-                self.cache.trim(item.seq.table, item.context_len)
+            self._trim(items)
         return BlockOutput([drafts.get(id(i), []) for i in items], hidden)
+
+    def _trim(self, items: list[ProposeItem]) -> None:
+        for item in items:          # the block's K/V slots are never committed
+            self.cache.trim(item.seq.table, item.context_len)
+
+    def _graph_for(self, items: list[ProposeItem]):
+        """The captured runner when every item drafts a block of its size and fits a bucket."""
+        runner = self._graph
+        if runner is None or any(i.block_size != runner.q_len for i in items):
+            return None
+        slices = [SeqSlice(i.seq.table, i.context_len, i.block_size) for i in items]
+        return runner if runner.can_run(slices) else None
 
     def append(self, items: list[ProposeItem]) -> None:
         if not items:
@@ -146,20 +184,37 @@ class DFlashDrafter(Drafter):
         for layer, (k, v) in enumerate(self.model.context_kv(feats, positions.to(self.device))):
             self.backend.store_kv(layer, k, v, slot_mapping)
 
-    def forward_blocks(self, items: list[ProposeItem]) -> torch.Tensor:
-        """norm(hidden) [sum B, H] of each item's block [anchor, MASK x (B-1)] at L..L+B-1."""
+    def _block_inputs(self, items: list[ProposeItem]
+                      ) -> tuple[list[SeqSlice], torch.Tensor, torch.Tensor]:
+        """Each item's block [anchor, MASK x (B-1)] at L..L+B-1: slices, ids and positions
+        int64 [sum B] (CPU)."""
         slices = [SeqSlice(i.seq.table, i.context_len, i.block_size) for i in items]
-        meta = AttentionMetadata.build(slices, self.cache, causal=False, device=self.device)
-        self.backend.prepare(meta)
         mask = self.facts.mask_token_id
-        ids = [t for i in items for t in [i.anchor] + [mask] * (i.block_size - 1)]
+        ids = torch.tensor([t for i in items for t in [i.anchor] + [mask] * (i.block_size - 1)])
         positions = torch.cat([torch.arange(i.context_len, i.context_len + i.block_size)
                                for i in items])
-        x = self.head.embed(torch.tensor(ids, device=self.device))
+        return slices, ids, positions
+
+    def _embed_and_forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """ids, positions int64 [T] on the device -> norm(hidden) [T, H] (backend prepared)."""
+        x = self.head.embed(ids)
         scale = self.model.cfg.input_embedding_scale
         if scale != 1.0:
             x = x * scale
-        return self.model(x, positions.to(self.device), ForwardBatch(self.backend))
+        return self.model(x, positions, ForwardBatch(self.backend))
+
+    def _block_tokens(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> ForwardOutput:
+        """The captured function: block forward + argmax of the LM head at every position.
+        ForwardOutput.hidden carries the int64 tokens [T] here."""
+        return ForwardOutput(hidden=self.head.greedy(self._embed_and_forward(ids, positions)),
+                             captured=None)
+
+    def forward_blocks(self, items: list[ProposeItem]) -> torch.Tensor:
+        """norm(hidden) [sum B, H] of each item's block [anchor, MASK x (B-1)] at L..L+B-1."""
+        slices, ids, positions = self._block_inputs(items)
+        meta = AttentionMetadata.build(slices, self.cache, causal=False, device=self.device)
+        self.backend.prepare(meta)
+        return self._embed_and_forward(ids.to(self.device), positions.to(self.device))
 
     def _greedy(self, items: list[ProposeItem], hidden: torch.Tensor | None
                 ) -> dict[int, list[int]]:

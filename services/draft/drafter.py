@@ -72,6 +72,9 @@ class Drafter(ABC):
     def init_backend(self) -> None:
         """Allocate memory pools and the attention backend (no-op without a model)."""
 
+    def capture_cuda_graphs(self) -> None:
+        """Warm-up: capture the propose forward where the device and backend allow (no-op)."""
+
     def reserve(self, item: ProposeItem) -> None:
         """Make room for the item's new context and block; raises OutOfPages. All or nothing."""
 

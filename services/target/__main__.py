@@ -39,8 +39,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--max-context", 0, int, "max tokens per sequence (0 = the model's)")
     flags.add(p, "--max-block-size", 32, int, "largest verify block (anchor + drafts)")
     flags.add(p, "--state-slots", 64, int, "hybrid models: sequences the recurrent state pool holds")
-    flags.add(p, "--no-cuda-graphs", action="store_true",
-              help="run every forward eagerly (graphs: CUDA + triton backend only)")
     flags.add(p, "--graph-block-sizes", "1,16", _int_list, "verify block sizes captured as graphs")
     flags.add(p, "--graph-capture-layers", "", _int_list,
               "feature layers the graphed verify returns (the drafter's target_layer_ids)")

@@ -9,13 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime import bench_switches
 from runtime.attention.metadata import SeqSlice
+from runtime.bench_switches import ForcedAcceptance
 from runtime.kv_cache import OutOfPages
 from runtime.sampling import (
     Acceptance,
     SamplingConfig,
-    greedy_accept,
-    rejection_accept,
+    greedy_accept_batch,
+    rejection_accept_device,
     suppress_tokens,
     target_probs,
 )
@@ -69,6 +71,8 @@ class TargetEngine:
                                on_idle=self._expire_leases)
         self.leases = LeaseSweeper(worker.config.lease_seconds, self._release)
         self.stats = EngineStats()
+        tau = bench_switches.forced_tau()       # benchmark-only; never a service flag
+        self.forced = ForcedAcceptance(tau) if tau is not None else None
 
     def start(self) -> None:
         metrics.watch_queue(self.loop)          # running/waiting, read at scrape time
@@ -226,24 +230,75 @@ class TargetEngine:
         metrics.FORWARD_TOKENS.labels(lb.model_name, lb.service).inc(len(ids))
 
     def _finish(self, runnable, captured, capture, logits) -> None:
+        """Acceptance and sampling are decided on the device for the whole batch, their results
+        reach the host in one small transfer, then the features of every sequence in one
+        (pinned) transfer."""
         self._suppress_eos(runnable, logits)
-        # every greedy choice of the batch in one device->host transfer
-        argmax = logits.argmax(dim=-1).tolist() if logits is not None else []
-        offset, row = 0, 0
-        verify_commits: list[tuple[int, int]] = []
-        for work, n, seq in runnable:
-            feats = _select_features(captured, capture, seq.capture_layers, offset, n)
-            offset += n
+        choices = self._choose(runnable, logits)
+        feats = FeatureFetch(captured, capture)
+        outcomes: list[tuple[Work, TargetSequence, object]] = []
+        offset = 0
+        for (work, n, seq), choice in zip(runnable, choices):
             if work.kind == "prefill":
-                row += self._finish_prefill_chunk(work, n, seq, feats, logits, row, argmax)
+                done = work.done_tokens + n == len(work.payload.token_ids)
+                feats.add(seq, offset, n)
+                outcomes.append((work, seq, ("prefill", n, choice if done else None)))
             else:
-                result = self._accept(work.payload, seq, logits[row: row + n],
-                                      argmax[row: row + n], feats)
-                row += n
-                verify_commits.append((seq.state_slot, result.accepted))
-                self._resolve(work, result)
+                acc = self._accept(work.payload, seq, choice)
+                feats.add(seq, offset, acc.accepted + 1)
+                outcomes.append((work, seq, ("verify", n, acc)))
+            offset += n
+        fetched = feats.fetch()
+        verify_commits: list[tuple[int, int]] = []
+        for (work, seq, (kind, n, choice)), f in zip(outcomes, fetched):
+            if kind == "prefill":
+                self._finish_prefill_chunk(work, n, seq, f, choice)
+            else:
+                verify_commits.append((seq.state_slot, choice.accepted))
+                self._resolve(work, VerifyResult(choice.accepted, choice.tokens, f, seq.seq_len))
         if verify_commits and self.worker.facts.hybrid:
             self.worker.commit_mamba_state(verify_commits)
+
+    def _choose(self, runnable, logits) -> list:
+        """Per runnable work, decided on the device and read back in one transfer:
+        verify -> (a, bonus, argmax of its block rows); a finishing prefill chunk -> its next
+        token; other prefill chunks -> None. Read-back layout: [argmax of every row, (a, bonus)
+        of the greedy verifies, then one part per sampled verify / sampled prefill token]."""
+        if logits is None:
+            return [None] * len(runnable)
+        dev = logits.device
+        argmax = logits.argmax(dim=-1)                          # [R]
+        greedy_rows: list[tuple[list[int], int, int]] = []      # (drafts, first row, block size)
+        sampled: list[torch.Tensor] = []
+        readers = []                                            # per work: values -> choice
+        row = 0
+        for work, n, seq in runnable:
+            if work.kind == "verify":
+                if seq.sampling.greedy:
+                    k = len(greedy_rows)
+                    greedy_rows.append((work.payload[1:], row, n))
+                    readers.append(lambda v, k=k, r=row, n=n: (*v[1][2 * k: 2 * k + 2], v[0][r: r + n]))
+                else:
+                    drafts = torch.tensor(work.payload[1:], dtype=torch.int64).to(dev, non_blocking=True)
+                    probs = target_probs(logits[row: row + n], seq.sampling)
+                    sampled.append(rejection_accept_device(drafts, probs, seq.generator))
+                    j = 1 + len(sampled)
+                    readers.append(lambda v, j=j, r=row, n=n: (*v[j], v[0][r: r + n]))
+                row += n
+            elif work.done_tokens + n == len(work.payload.token_ids):
+                if seq.sampling.greedy:
+                    readers.append(lambda v, r=row: v[0][r])
+                else:
+                    sampled.append(self._sample(seq, logits[row: row + 1]))
+                    readers.append(lambda v, j=1 + len(sampled): v[j][0])
+                row += 1
+            else:
+                readers.append(lambda v: None)
+        greedy = (_greedy_batch(greedy_rows, argmax).flatten() if greedy_rows
+                  else argmax.new_empty(0))
+        parts = [argmax, greedy, *sampled]
+        values = _split_host(torch.cat(parts).tolist(), [p.numel() for p in parts])
+        return [read(values) for read in readers]
 
     def _suppress_eos(self, runnable, logits) -> None:
         """min_tokens: forbid EOS ids in the rows that predict outputs below the minimum."""
@@ -255,44 +310,39 @@ class TargetEngine:
             suppress_tokens(logits[row: row + rows], self._eos_ids(seq), seq.suppress_rows(rows))
             row += rows
 
-    def _finish_prefill_chunk(self, work, n, seq, feats, logits, row, argmax) -> int:
+    def _finish_prefill_chunk(self, work, n, seq, feats, token) -> None:
         call: PrefillCall = work.payload
         if feats is not None:
-            work.state["features"].append(feats.to(call.feature_dtype).cpu())
+            work.state["features"].append(feats)
         work.done_tokens += n
         seq.seq_len = work.done_tokens
         seq.touch()
         if work.done_tokens < len(call.token_ids):
-            return 0
+            return
         seq.prefilling = False
-        token = argmax[row] if seq.sampling.greedy else self._sample(seq, logits[row: row + 1])
         seq.num_generated += 1
         chunks = work.state.pop("features")
         self._resolve(work, PrefillResult(token, torch.cat(chunks) if chunks else None, seq.seq_len))
-        return 1
 
-    def _accept(self, tokens: list[int], seq: TargetSequence, logits: torch.Tensor,
-                argmax: list[int], feats: torch.Tensor | None) -> VerifyResult:
-        """logits [B, V] (EOS already suppressed) and their argmax for block positions
-        0..B-1; commits a+1 tokens."""
+    def _accept(self, tokens: list[int], seq: TargetSequence, choice) -> Acceptance:
+        """choice = (a, bonus, argmax of block rows 0..B-1) decided on the device; commits a+1
+        tokens. A forced acceptance (benchmark-only switch) overrides a."""
         drafts = tokens[1:]
-        if seq.sampling.greedy:
-            acc: Acceptance = greedy_accept(drafts, argmax)
-        else:
-            acc = rejection_accept(drafts, target_probs(logits, seq.sampling), seq.generator)
-        a = acc.accepted
+        a, bonus, argmax = choice
+        if self.forced is not None:
+            a = self.forced.accepted(len(drafts))
+            bonus = argmax[a]
         seq.seq_len += a + 1                    # anchor + accepted drafts now have KV
         seq.num_generated += a + 1
         self.worker.kv_cache.trim(seq.table, seq.seq_len)   # rejected positions' pages go back
         seq.touch()
         self.stats.record_verify(len(drafts), a)
-        out_feats = feats[: a + 1].to(seq.feature_dtype).cpu() if feats is not None else None
-        return VerifyResult(a, acc.tokens, out_feats, seq.seq_len)
+        return Acceptance(a, drafts[:a] + [bonus])
 
-    def _sample(self, seq: TargetSequence, logits: torch.Tensor) -> int:
-        """logits [1, V] -> one token drawn with the sequence's generator."""
+    def _sample(self, seq: TargetSequence, logits: torch.Tensor) -> torch.Tensor:
+        """logits [1, V] -> int64 [1]: one token drawn with the sequence's generator (device)."""
         probs = target_probs(logits, seq.sampling)
-        return int(torch.multinomial(probs[0], 1, generator=seq.generator))
+        return torch.multinomial(probs[0], 1, generator=seq.generator)
 
     def _eos_ids(self, seq: TargetSequence) -> list[int]:
         if seq.sampling.min_tokens <= 0:
@@ -327,17 +377,82 @@ class TargetEngine:
             metrics.STATE_USAGE.labels(lb.model_name, lb.service).set(pool.usage())
 
 
-def _select_features(captured: torch.Tensor | None, capture: tuple[int, ...],
-                     wanted: tuple[int, ...], offset: int, n: int) -> torch.Tensor | None:
-    """Rows [offset, offset+n) of the batch capture, columns of this sequence's layers."""
-    if captured is None or not wanted:
-        return None
-    rows = captured[offset: offset + n]
-    if wanted == capture:
-        return rows
-    h = rows.shape[-1] // len(capture)
-    return torch.cat([rows[:, capture.index(layer) * h: (capture.index(layer) + 1) * h]
-                      for layer in wanted], dim=-1)
+def _greedy_batch(rows: list[tuple[list[int], int, int]], argmax: torch.Tensor) -> torch.Tensor:
+    """rows: (drafts, first logits row, block size) per greedy verify; argmax [R] on the device.
+    Returns int64 [S, 2] (a, bonus) decided on the device."""
+    width = max(len(d) for d, _, _ in rows)
+    drafts = torch.full((len(rows), width), -1, dtype=torch.int64)
+    index = torch.empty((len(rows), width + 1), dtype=torch.int64)
+    for i, (d, first, n) in enumerate(rows):
+        drafts[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
+        index[i] = first + torch.arange(width + 1).clamp(max=n - 1)
+    dev = argmax.device
+    return greedy_accept_batch(drafts.to(dev, non_blocking=True),
+                               argmax[index.to(dev, non_blocking=True)])
+
+
+def _split_host(flat: list[int], sizes: list[int]) -> list[list[int]]:
+    out, start = [], 0
+    for n in sizes:
+        out.append(flat[start: start + n])
+        start += n
+    return out
+
+
+class FeatureFetch:
+    """Collects (sequence, first row, rows) requests over one forward's captured features
+    [T, K*H] and brings them to the host together: one gather and one pinned device->host
+    copy per distinct (layers, dtype) group - one in the usual case where every sequence asks
+    for the same layers - instead of one transfer per sequence."""
+
+    def __init__(self, captured: torch.Tensor | None, capture: tuple[int, ...]) -> None:
+        self.captured, self.capture = captured, capture
+        self.requests: list[tuple[tuple[int, ...], torch.dtype, int, int] | None] = []
+
+    def add(self, seq: TargetSequence, first: int, rows: int) -> None:
+        if self.captured is None or not seq.capture_layers:
+            self.requests.append(None)
+        else:
+            self.requests.append((seq.capture_layers, seq.feature_dtype, first, rows))
+
+    def fetch(self) -> list[torch.Tensor | None]:
+        """Per request, a host tensor [rows, len(layers)*H] in its dtype (None: none asked)."""
+        out: list[torch.Tensor | None] = [None] * len(self.requests)
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(self.requests):
+            if r is not None:
+                groups.setdefault(r[:2], []).append(i)
+        for (layers, dtype), members in groups.items():
+            index = torch.cat([torch.arange(self.requests[i][2], self.requests[i][2] + self.requests[i][3])
+                               for i in members])
+            rows = self._columns(self.captured.index_select(
+                0, index.to(self.captured.device, non_blocking=True)), layers).to(dtype)
+            host = _to_host(rows)
+            start = 0
+            for i in members:
+                n = self.requests[i][3]
+                out[i] = host[start: start + n]
+                start += n
+        return out
+
+    def _columns(self, rows: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
+        """The columns of `layers` (a subset of the batch's captured layers, in their order)."""
+        if layers == self.capture:
+            return rows
+        h = rows.shape[-1] // len(self.capture)
+        return torch.cat([rows[:, self.capture.index(layer) * h: (self.capture.index(layer) + 1) * h]
+                          for layer in layers], dim=-1)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """One device->host copy into pinned memory (torch's caching host allocator reuses the
+    block once the returned tensor is freed); CPU tensors are returned as they are."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
 
 
 class EngineStats:

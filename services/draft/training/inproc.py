@@ -23,6 +23,8 @@ class SpecResult:
     steps: int = 0                                   # verify steps after the prefill
     accepted: list[int] = field(default_factory=list)   # accepted drafts per step
     seconds: float = 0.0
+    draft_seconds: float = 0.0                       # awaiting Propose (queue + forward)
+    verify_seconds: float = 0.0                      # awaiting Verify (queue + forward)
 
     @property
     def tau(self) -> float:
@@ -72,13 +74,17 @@ async def speculate(engines: Engines, seq_id: str, prompt: list[int], max_new: i
         while res.tokens[-1] not in eos and len(res.tokens) < max_new:
             b = min(block, max_new - len(res.tokens) + 1)
             drafts: list[int] = []
+            t0_step = time.perf_counter()
             if draft is not None and b > 1:
                 proposal = await draft.propose(ProposeCall(
                     seq_id, start, len(new_ids), new_feats, new_ids, res.tokens[-1], b))
                 start += len(new_ids)
                 drafts = proposal.draft_tokens[: b - 1]
             anchor = res.tokens[-1]
+            t1_step = time.perf_counter()
             v = await engines.target.verify(seq_id, [anchor] + drafts)
+            res.draft_seconds += t1_step - t0_step
+            res.verify_seconds += time.perf_counter() - t1_step
             res.steps += 1
             res.accepted.append(v.accepted)
             new_ids, new_feats = [anchor] + drafts[: v.accepted], v.features

@@ -1,0 +1,515 @@
+"""python -m bench.gpu_side_by_side [--tiny]: issue 7's side-by-side run, in one process tree.
+
+Qwen3-8B-shaped target (random bf16 weights) with a DFlash-shaped drafter (5 layers, taps
+1, 9, 17, 25, 33, block 16), on one GPU:
+  (a) autoregressive decoding through our target service (gateway with no draft);
+  (b) transformers' `generate` with a static cache (which transformers compiles), and dynamic;
+  (c) speculative decoding in-process (engine calls, no gRPC: services/draft/training/inproc.py);
+  (d) speculative decoding through the three services over gRPC on loopback, for each wire
+      (unary calls, and one bidirectional stream per gateway connection);
+at concurrency 1, 8 and 32: output tokens/s and the per-step split into draft, verify and
+gateway/wire (from the gateway's stage timings and the services' handler times on /metrics);
+time to first token for a 1000-token prompt; the bandwidth floor per step.
+
+Acceptance with random weights is near zero, so the target accepts a FORCED number of drafts
+(DFLASH_BENCH_FORCE_TAU, benchmark-only, logged by the target): every speculative number is
+reported beside the forced tau (6.4 and 3). Health transitions of both services are recorded
+from start to SERVING (warm-up includes kernel JIT and CUDA-graph capture).
+
+Writes OUT/gpu_side_by_side.json incrementally (a timeout keeps what was measured), a PNG plot,
+and, with --doc, the section of docs/benchmarks.md. --tiny runs a small shape on CPU (a smoke
+test of the whole command)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from bench.gateway_cpu import drive, free_port, scrape, step_breakdown
+from bench.h200_micro import QWEN3_8B, TINY, Recorder, copy_bandwidth, guarded, write_model_dirs
+from runtime.bench_switches import FORCE_TAU_ENV, RANDOM_WEIGHTS_ENV
+
+TAUS = (6.4, 3.0)
+LEVELS = (1, 8, 32)
+WIRES = ("unary", "stream")
+TTFT_PROMPT = 1000
+
+
+# -- shapes and the bandwidth floor ---------------------------------------------------------
+def weight_bytes(cfg: dict, draft_layers: int, taps: int) -> dict[str, int]:
+    """Bytes read per step: every target layer + final norm + LM head (the embedding reads only
+    the rows of the step's tokens, ignored); the drafter's layers + fc, and the target LM head
+    again (the drafter scores its block with it). bf16."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    layer = h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * i + 2 * h + 2 * hd
+    target = 2 * (cfg["num_hidden_layers"] * layer + h + v * h)
+    draft = 2 * (draft_layers * layer + taps * h * h + 2 * h + v * h)
+    return {"target": target, "draft": draft}
+
+
+# -- health transitions ------------------------------------------------------------------------
+class HealthLog:
+    """Follows grpc.health.v1 Watch of one service from before it listens until stop();
+    records (seconds since t0, status) at every change."""
+
+    def __init__(self, name: str, address: str, service: str, t0: float) -> None:
+        self.name, self.address, self.service, self.t0 = name, address, service, t0
+        self.events: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _record(self, status: str) -> None:
+        if not self.events or self.events[-1][1] != status:
+            self.events.append((round(time.monotonic() - self.t0, 2), status))
+            print(f"health {self.name}: {status} at +{self.events[-1][0]} s", flush=True)
+
+    def _run(self) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        while not self._stop.is_set():
+            try:
+                with grpc.insecure_channel(self.address) as ch:
+                    stub = health_pb2_grpc.HealthStub(ch)
+                    for msg in stub.Watch(health_pb2.HealthCheckRequest(service=self.service),
+                                          timeout=3600):
+                        self._record(health_pb2.HealthCheckResponse.ServingStatus.Name(msg.status))
+                        if self._stop.is_set():
+                            return
+            except grpc.RpcError as e:
+                self._record(f"no answer ({e.code().name})" if e.code() else "no answer")
+            self._stop.wait(0.2)
+
+    def stop(self) -> list[tuple[float, str]]:
+        self._stop.set()
+        return self.events
+
+
+# -- (a) and (d): through the services -------------------------------------------------------
+class GpuStack:
+    """target (+ draft) + one gateway per wire, as child processes, with /metrics ports."""
+
+    def __init__(self, tdir: Path, ddir: Path | None, args, log_dir: Path, taps: list[int],
+                 tau: float | None) -> None:
+        from gateway.launcher import Child, Stack, StackOptions
+        self.Child = Child
+        self.taps, self.tau = taps, tau
+        capture = ",".join(map(str, taps)) if ddir is not None else ""
+        self.opts = StackOptions(
+            http_port=free_port(), port=free_port(), target_port=free_port(),
+            draft_port=free_port(), target_metrics_port=free_port(),
+            draft_metrics_port=free_port(), model_dir=str(tdir), dtype=args.dtype,
+            drafter="dflash" if ddir is not None else "none", draft_model=str(ddir or ""),
+            log_dir=str(log_dir), quiet=True, ready_timeout_s=900, device=args.device,
+            attention_backend=args.backend,
+            target_args=("--kv-budget", args.target_kv, "--max-block-size", "16",
+                         "--graph-capture-layers", capture, "--token-budget", "2048"),
+            draft_args=("--kv-budget", args.draft_kv, "--token-budget", "8192"),
+            gateway_args=("--wire", WIRES[0], "--max-message-mib", "512"))
+        self.stack = Stack(self.opts)
+        self.gateways = {WIRES[0]: (self.opts.port, self.opts.http_port)}
+
+    def start(self) -> dict:
+        t0 = time.monotonic()
+        env_before = os.environ.get(FORCE_TAU_ENV)
+        if self.tau is not None:
+            os.environ[FORCE_TAU_ENV] = str(self.tau)
+        else:
+            os.environ.pop(FORCE_TAU_ENV, None)
+        health = [HealthLog("target", f"127.0.0.1:{self.opts.target_port}", "dflash.v1.Target", t0)]
+        if self.opts.drafter != "none":
+            health.append(HealthLog("draft", f"127.0.0.1:{self.opts.draft_port}",
+                                    "dflash.v1.Draft", t0))
+        try:
+            self.stack.start()
+            self.stack.wait_ready()
+            if self.opts.drafter != "none":
+                self._second_gateway(WIRES[1])
+        finally:
+            if env_before is None:
+                os.environ.pop(FORCE_TAU_ENV, None)
+            else:
+                os.environ[FORCE_TAU_ENV] = env_before
+        time.sleep(0.5)
+        return {"ready_s": round(time.monotonic() - t0, 1),
+                "health": {h.name: h.stop() for h in health}}
+
+    def _second_gateway(self, wire: str) -> None:
+        """Another gateway on the same target and draft, with the other wire."""
+        from gateway.launcher import readiness
+        port, http = free_port(), free_port()
+        o = self.opts
+        child = self.Child(f"gateway-{wire}", [
+            sys.executable, "-m", "gateway", "--target", f"127.0.0.1:{o.target_port}",
+            "--draft", f"127.0.0.1:{o.draft_port}", "--tokenizer", o.model_dir,
+            "--port", str(port), "--http-port", str(http), "--host", "127.0.0.1",
+            "--wire", wire, "--max-message-mib", "512"], self.stack.log_dir / f"gateway-{wire}.log")
+        child.start()
+        self.stack.children.append(child)
+        deadline = time.monotonic() + 120
+        while not readiness(f"http://127.0.0.1:{http}")[0]:
+            if time.monotonic() > deadline or child.exited() is not None:
+                raise RuntimeError(f"gateway --wire {wire} not ready:\n{child.tail()}")
+            time.sleep(0.2)
+        self.gateways[wire] = (port, http)
+
+    def snapshot(self, wire: str) -> dict:
+        out = {"gateway": scrape(self.gateways[wire][1]),
+               "target": scrape(self.opts.target_metrics_port)}
+        if self.opts.drafter != "none":
+            out["draft"] = scrape(self.opts.draft_metrics_port)
+        return out
+
+    def stop(self) -> None:
+        self.stack.stop()
+
+
+def service_rows(stack: GpuStack, prompts: list[list[int]], max_tokens: int, wire: str,
+                 levels, label: str) -> list[dict]:
+    port = stack.gateways[wire][0]
+    address = f"127.0.0.1:{port}"
+    asyncio.run(drive(address, prompts[:2], 2, 16))                       # warm-up
+    rows = []
+    for c in levels:
+        batch = [prompts[i % len(prompts)] for i in range(max(c, 4))]
+        before = stack.snapshot(wire)
+        tokens, seconds = asyncio.run(drive(address, batch, c, max_tokens))
+        split = step_breakdown(before, stack.snapshot(wire))
+        row = {"config": label, "wire": wire, "forced_tau": stack.tau, "concurrency": c,
+               "requests": len(batch), "tokens": tokens, "seconds": round(seconds, 3),
+               "tokens_per_s": round(tokens / seconds, 1),
+               **{k: round(v, 3) if isinstance(v, float) else v for k, v in split.items()}}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def service_ttft(stack: GpuStack, prompt: list[int], wire: str) -> dict:
+    """Time to the first streamed token of a 1000-token prompt, and to the second event (the
+    first speculative step: the draft receives the prompt's features first)."""
+    import grpc
+    from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+    address = f"127.0.0.1:{stack.gateways[wire][0]}"
+    out = []
+    for _ in range(3):
+        with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 1 << 29)]) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            req = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt),
+                                              max_tokens=8, ignore_eos=True,
+                                              sampling=common_pb2.SamplingParams(temperature=0))
+            t0 = time.perf_counter()
+            times = [time.perf_counter() - t0 for _ in stub.Generate(req, timeout=600)]
+        out.append({"ttft_ms": round(1000 * times[0], 2),
+                    "second_event_ms": round(1000 * times[1], 2) if len(times) > 1 else None})
+    return {"runs": out, "ttft_ms": sorted(r["ttft_ms"] for r in out)[1]}
+
+
+# -- (c): in-process ---------------------------------------------------------------------------
+def inprocess(tdir: Path, ddir: Path | None, args, prompts, max_tokens: int, tau: float | None,
+              levels, ttft_prompt: list[int] | None) -> dict:
+    from runtime.sampling import SamplingConfig
+    from services.draft.config import DraftConfig
+    from services.draft.training.inproc import speculate, start_engines
+    from services.target.config import TargetConfig
+    if tau is not None:
+        os.environ[FORCE_TAU_ENV] = str(tau)
+    taps = tuple(json.loads((ddir / "config.json").read_text())["dflash_config"]["target_layer_ids"]) \
+        if ddir is not None else ()
+    try:
+        engines = start_engines(
+            TargetConfig(model_dir=str(tdir), device=args.device, dtype=args.dtype,
+                         attention_backend=args.backend, max_block_size=16,
+                         kv_budget_bytes=_bytes(args.target_kv), graph_capture_layers=taps,
+                         token_budget=2048),
+            DraftConfig(target_dir=str(tdir), model_dir=str(ddir), device=args.device,
+                        dtype=args.dtype, attention_backend=args.backend,
+                        kv_budget_bytes=_bytes(args.draft_kv), token_budget=8192)
+            if ddir is not None else None)
+    finally:
+        os.environ.pop(FORCE_TAU_ENV, None)
+    engines.target.worker.capture_cuda_graphs()
+    out: dict = {"rows": []}
+    if engines.draft is not None:
+        engines.draft.drafter.capture_cuda_graphs()
+        out["draft_graph_check"] = draft_graph_check(engines.draft.drafter)
+        print("draft graph check", out["draft_graph_check"], flush=True)
+    block = 16 if ddir is not None else 1
+    try:
+        asyncio.run(_inproc_wave(engines, prompts[:2], 16, block, speculate, SamplingConfig()))
+        for c in levels:
+            batch = [prompts[i % len(prompts)] for i in range(max(c, 4))]
+            t0 = time.perf_counter()
+            results = asyncio.run(_inproc_wave(engines, batch, max_tokens, block, speculate,
+                                               SamplingConfig(), c))
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(r.tokens) for r in results)
+            steps = sum(r.steps for r in results)
+            row = {"config": "in-process", "forced_tau": tau, "concurrency": c,
+                   "tokens": tokens, "seconds": round(seconds, 3),
+                   "tokens_per_s": round(tokens / seconds, 1), "steps": steps,
+                   "tau_measured": round(sum(r.tau * r.steps for r in results) / max(1, steps), 3),
+                   "draft_ms": round(1000 * sum(r.draft_seconds for r in results) / max(1, steps), 3),
+                   "verify_ms": round(1000 * sum(r.verify_seconds for r in results) / max(1, steps), 3)}
+            print(json.dumps(row), flush=True)
+            out["rows"].append(row)
+        if ttft_prompt is not None:
+            out["ttft"] = _inproc_ttft(engines, ttft_prompt, taps)
+    finally:
+        engines.stop()
+        del engines
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
+def draft_graph_check(drafter, ctx: int = 40, batch: int = 3) -> dict:
+    """The captured propose against the eager block forward on the same context (before the
+    engine runs anything): drafts that agree, out of all. Run while the engine is idle."""
+    from services.draft.drafter import ProposeItem
+    from services.draft.sequence import DraftSequence
+    seqs = [DraftSequence(f"graph-check-{i}") for i in range(batch)]
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(ctx, drafter.facts.feature_width, generator=g).to(
+        getattr(torch, drafter.facts.feature_dtype))
+    first = [ProposeItem(seq=s, start=0, num_new=ctx, features=feats, token_ids=[0] * ctx,
+                         anchor=1, block_size=1) for s in seqs]
+    for it in first:
+        drafter.reserve(it)
+    drafter.run(first)                                      # context appended once
+    for s in seqs:
+        s.context_len = ctx
+    blocks = [ProposeItem(seq=s, start=ctx, num_new=0, features=None, token_ids=[],
+                          anchor=7 + i, block_size=16) for i, s in enumerate(seqs)]
+    for it in blocks:
+        drafter.reserve(it)
+    eager = drafter.run(blocks).drafts
+    for it in blocks:
+        drafter.reserve(it)
+    graphed = drafter.propose(blocks)
+    for s in seqs:
+        drafter.release(s)
+    same = sum(a == b for x, y in zip(eager, graphed) for a, b in zip(x, y))
+    return {"graph_captured": drafter._graph is not None, "agree": same,
+            "drafts": sum(len(x) for x in eager)}
+
+
+async def _inproc_wave(engines, prompts, max_tokens, block, speculate, sampling, concurrency=None):
+    sem = asyncio.Semaphore(concurrency or len(prompts))
+
+    async def one(i, ids):
+        async with sem:
+            return await speculate(engines, f"b{i}-{time.monotonic_ns()}", ids, max_tokens, block,
+                                   sampling, set())
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+def _inproc_ttft(engines, prompt: list[int], taps: tuple[int, ...]) -> dict:
+    """Prefill of the prompt with feature capture (returns the first token), then the draft
+    appending those features and proposing the first block."""
+    from runtime.sampling import SamplingConfig
+    from services.draft.engine import ProposeCall
+    from services.target.engine import PrefillCall
+
+    async def once(i: int) -> dict:
+        seq = f"ttft-{i}"
+        t0 = time.perf_counter()
+        pre = await engines.target.prefill(PrefillCall(seq, prompt, SamplingConfig(), taps,
+                                                       torch.bfloat16))
+        t1 = time.perf_counter()
+        if engines.draft is not None:
+            await engines.draft.propose(ProposeCall(seq, 0, len(prompt), pre.features, prompt,
+                                                    pre.next_token, 16))
+            await engines.draft.release(seq)
+        t2 = time.perf_counter()
+        await engines.target.release(seq)
+        return {"ttft_ms": round(1000 * (t1 - t0), 2), "first_propose_ms": round(1000 * (t2 - t1), 2)}
+    runs = [asyncio.run(once(i)) for i in range(3)]
+    return {"runs": runs, "ttft_ms": sorted(r["ttft_ms"] for r in runs)[1]}
+
+
+def _bytes(text: str) -> int:
+    from services.common.flags import parse_size
+    return parse_size(text)
+
+
+# -- (b): transformers -------------------------------------------------------------------------
+def transformers_rows(cfg: dict, args, prompt_len: int, max_tokens: int, levels) -> list[dict]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
+    rows = []
+    for impl in ("static", "dynamic"):
+        for c in levels:
+            if time.monotonic() > args.transformers_deadline:
+                rows.append({"config": f"transformers-{impl}", "concurrency": c,
+                             "skipped": "time budget of the run"})
+                continue
+            ids = torch.randint(0, 500, (c, prompt_len), device=args.device)
+            extra = {"cache_implementation": "static"} if impl == "static" else {}
+            kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                      **extra)
+            t0 = time.perf_counter()
+            model.generate(ids, **kw)                      # compiles (static) / warms up
+            _sync(args.device)
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            model.generate(ids, **kw)
+            _sync(args.device)
+            seconds = time.perf_counter() - t0
+            row = {"config": f"transformers-{impl}", "concurrency": c,
+                   "tokens": c * max_tokens, "seconds": round(seconds, 3),
+                   "tokens_per_s": round(c * max_tokens / seconds, 1),
+                   "first_call_s": round(first, 1)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    del model
+    return rows
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# -- report ------------------------------------------------------------------------------------
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in data.get("rows", []) if "tokens_per_s" in r]
+    series: dict[str, dict[int, float]] = {}
+    for r in rows:
+        name = r["config"] + (f" ({r['wire']})" if r.get("wire") else "") + \
+            (f" tau={r['forced_tau']:g}" if r.get("forced_tau") else "")
+        series.setdefault(name, {})[r["concurrency"]] = r["tokens_per_s"]
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    width = 0.8 / max(1, len(series))
+    for k, (name, vals) in enumerate(sorted(series.items())):
+        xs = [LEVELS.index(c) + k * width for c in vals if c in LEVELS]
+        ax.bar(xs, [vals[c] for c in vals if c in LEVELS], width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(LEVELS))], [f"c={c}" for c in LEVELS])
+    ax.set_yscale("log")
+    ax.set_ylabel("output tokens/s (log)")
+    ax.set_title(f"Qwen3-8B-shaped target + 5-layer DFlash drafter, {data.get('device', '')}; "
+                 "speculative rows at FORCED tau", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="small shape on CPU (smoke test)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_side_by_side"))
+    ap.add_argument("--parts", nargs="*", default=["services", "inproc", "transformers"])
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--transformers-budget-s", type=float, default=240)
+    args = ap.parse_args(argv)
+    args.device = "cpu" if args.tiny else "cuda"
+    args.dtype = "float32" if args.tiny else "bfloat16"
+    args.backend = "torch" if args.tiny else "triton"
+    args.target_kv = "64MiB" if args.tiny else "40GiB"
+    args.draft_kv = "32MiB" if args.tiny else "6GiB"
+    os.environ[RANDOM_WEIGHTS_ENV] = "1"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rec = Recorder(out / "gpu_side_by_side.json")
+    shape = TINY if args.tiny else QWEN3_8B
+    taps = [1, 2, 3, 4, 5] if args.tiny else [1, 9, 17, 25, 33]
+    levels = (1, 2) if args.tiny else LEVELS
+    max_tokens = 24 if args.tiny else args.max_tokens
+    prompt_len = 16 if args.tiny else args.prompt_len
+    ttft_len = 64 if args.tiny else TTFT_PROMPT
+    tdir, ddir = write_model_dirs(Path("/tmp/gpu_side_by_side_models"), shape, taps)
+    _tokenizer_into(tdir)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (prompt_len,), generator=g).tolist() for _ in range(64)]
+    ttft_prompt = torch.randint(0, 500, (ttft_len,), generator=g).tolist()
+    rec.put("device", torch.cuda.get_device_name() if args.device == "cuda" else "cpu (--tiny)")
+    rec.put("setup", {"target": "Qwen3-8B shape, random bf16" if not args.tiny else "tiny",
+                      "drafter": f"DFlash 5 layers, taps {taps}, block 16",
+                      "prompt_tokens": prompt_len, "max_tokens": max_tokens,
+                      "forced_tau": list(TAUS), "switches": [RANDOM_WEIGHTS_ENV, FORCE_TAU_ENV]})
+    bw = copy_bandwidth(args.device)
+    wb = weight_bytes(shape, 5, len(taps))
+    rec.put("floor", {"copy_GBps": round(bw, 1), "target_bytes": wb["target"],
+                      "draft_bytes": wb["draft"],
+                      "floor_ms_per_step": round(1000 * (wb["target"] + wb["draft"]) / (bw * 1e9), 3),
+                      "target_floor_ms": round(1000 * wb["target"] / (bw * 1e9), 3),
+                      "note": "bytes of weights read per step / measured device copy bandwidth "
+                              "(bytes read + written per second)"})
+    rows: list[dict] = []
+    args.transformers_deadline = time.monotonic() + args.transformers_budget_s
+
+    def keep(new: list[dict]) -> None:
+        rows.extend(new)
+        rec.put("rows", rows)
+
+    if "services" in args.parts:
+        guarded(rec, "services_ar", lambda: _stack_part(tdir, None, args, out, taps, None, prompts,
+                                                        max_tokens, levels, ttft_prompt, keep))
+        for tau in TAUS:
+            guarded(rec, f"services_tau{tau:g}",
+                    lambda tau=tau: _stack_part(tdir, ddir, args, out, taps, tau, prompts,
+                                                max_tokens, levels, ttft_prompt, keep))
+    if "inproc" in args.parts:
+        for tau in TAUS:
+            def run_inproc(tau=tau):
+                res = inprocess(tdir, ddir, args, prompts, max_tokens, tau, levels,
+                                ttft_prompt if tau == TAUS[0] else None)
+                keep(res["rows"])
+                return res.get("ttft")
+            guarded(rec, f"inproc_tau{tau:g}_ttft", run_inproc)
+    if "transformers" in args.parts:
+        args.transformers_deadline = time.monotonic() + args.transformers_budget_s
+        guarded(rec, "transformers", lambda: keep(transformers_rows(shape, args, prompt_len,
+                                                                    max_tokens, levels)) or "done")
+    plot({**rec.data, "rows": rows}, out / "gpu_side_by_side.png")
+    print("wrote", out, flush=True)
+
+
+def _stack_part(tdir, ddir, args, out, taps, tau, prompts, max_tokens, levels, ttft_prompt,
+                keep) -> dict:
+    name = "ar" if ddir is None else f"spec-tau{tau:g}"
+    stack = GpuStack(tdir, ddir, args, out / f"logs-{name}", taps, tau)
+    try:
+        info = stack.start()
+        wires = WIRES if ddir is not None else WIRES[:1]
+        label = "AR service" if ddir is None else "spec services"
+        for wire in wires:
+            keep(service_rows(stack, prompts, max_tokens, wire, levels, label))
+        info["ttft"] = {w: service_ttft(stack, ttft_prompt, w) for w in wires}
+    finally:
+        stack.stop()
+        for log in (out / f"logs-{name}").glob("*.log"):
+            shutil.copy(log, out / f"{name}-{log.name}")
+    return info
+
+
+def _tokenizer_into(tdir: Path) -> None:
+    """The gateway needs a tokenizer.json to start; token ids travel as ids (random weights
+    produce ids it may not decode: text is irrelevant here). SmolLM2's, where it is found."""
+    for candidate in (Path(os.environ.get("DFLASH_BENCH_TOKENIZER", "")),
+                      Path(".gpu_tok"),
+                      Path.home() / ".cache/dflash/models/smollm2-135m-instruct/float32"):
+        if (candidate / "tokenizer.json").is_file():
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                if (candidate / name).is_file():
+                    shutil.copy(candidate / name, tdir / name)
+            return
+    raise FileNotFoundError("no tokenizer.json: set DFLASH_BENCH_TOKENIZER to a directory with one")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""python -m bench.smollm2_gpu: issue 8's end-to-end tokens/s on a GPU, with the real model.
+
+SmolLM2-135M-Instruct (bf16, triton backend, CUDA graphs) through `dflash up`'s stack with the
+shipped trained DFlash drafter and with no drafter (our autoregressive path), against
+transformers' greedy `generate` (dynamic and static cache) on the same prompts: one request at
+a time, streamed through the OpenAI API, prefill included. Prompts: the first N of each held-out
+split (chat template). Whether each system's output equals transformers' greedy is reported
+(bf16 kernels differ, so a near-tie can flip a token; the CPU fp32 runs in CI check identity).
+
+Writes OUT/smollm2_gpu.json; the table goes into docs/benchmarks.md with --doc."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from bench.gateway_cpu import stack_run, transformers_run
+
+
+def prompts(n: int) -> tuple[list[str], list[str]]:
+    from services.draft.training.prompts import load_prompts
+    texts, kinds = [], []
+    for split in ("eval_in", "eval_unseen"):
+        recs = load_prompts(split)
+        step = max(1, len(recs) // n)
+        for r in recs[::step][:n]:
+            texts.append(r.text)
+            kinds.append(split)
+    return texts, kinds
+
+
+def summary(runs: list[dict], kinds: list[str]) -> dict:
+    out = {}
+    for kind in ("eval_in", "eval_unseen", "all"):
+        sel = [r for r, k in zip(runs, kinds) if kind in ("all", k)]
+        row = {"tokens_per_s": round(sum(r["tokens"] for r in sel) / sum(r["seconds"] for r in sel), 1)}
+        mal = [r["mean_acceptance_length"] for r in sel if "mean_acceptance_length" in r]
+        if mal:
+            steps = sum(r["verify_steps"] for r in sel)
+            row["tau"] = round(sum(r["tokens"] - 1 for r in sel) / max(1, steps), 3)  # prefill's token
+
+        out[kind] = row
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--per-split", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp") + "/smollm2_gpu.json")
+    args = ap.parse_args(argv)
+    from runtime.prepare.smollm2 import prepare_smollm2
+    from runtime.tokenizer import ChatTokenizer
+    model_dir = prepare_smollm2([args.dtype], progress=False)[args.dtype]
+    tok = ChatTokenizer(model_dir)
+    texts, kinds = prompts(args.per_split)
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    result: dict = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "backend": args.backend,
+                    "max_tokens": args.max_tokens, "prompts": len(ids), "systems": {}}
+    options = dict(device=args.device, dtype=args.dtype, attention_backend=args.backend,
+                   model_dir=str(model_dir))
+    out = Path(args.out)
+    with tempfile.TemporaryDirectory(prefix="bench-smollm2-") as tmp:
+        for drafter in ("dflash", "none"):
+            r = stack_run(drafter, ids, args.max_tokens, Path(tmp), **options)
+            result["systems"][f"dflash up --drafter {drafter}"] = r
+            print(json.dumps({drafter: summary(r["runs"], kinds)}), flush=True)
+            out.write_text(json.dumps(result) + "\n")          # partial results survive a timeout
+    for cache in ("", "static"):
+        r = transformers_run(model_dir, ids, args.max_tokens, device=args.device,
+                             dtype=args.dtype, cache=cache)
+        result["systems"][f"transformers generate ({cache or 'dynamic'} cache)"] = r
+        print(json.dumps({cache or "dynamic": summary(r["runs"], kinds)}), flush=True)
+        out.write_text(json.dumps(result) + "\n")
+    reference = result["systems"]["transformers generate (dynamic cache)"]["output_ids"]
+    ours_ar = result["systems"]["dflash up --drafter none"]["output_ids"]
+    for r in result["systems"].values():
+        r["summary"] = summary(r["runs"], kinds)
+        outs = r.pop("output_ids")
+        r["identical_to_transformers"] = sum(a == b for a, b in zip(outs, reference))
+        r["identical_to_our_ar"] = sum(a == b for a, b in zip(outs, ours_ar))
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v["summary"] for k, v in result["systems"].items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
