@@ -31,11 +31,21 @@ import threading
 import time
 from pathlib import Path
 
-import torch
+# before grpc is imported: the children exec right away, gRPC's fork handlers only get in the way
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from bench.gateway_cpu import drive, free_port, scrape, step_breakdown
-from bench.h200_micro import QWEN3_8B, TINY, Recorder, copy_bandwidth, guarded, write_model_dirs
-from runtime.bench_switches import FORCE_TAU_ENV, RANDOM_WEIGHTS_ENV
+import torch  # noqa: E402
+
+from bench.gateway_cpu import drive, free_port, scrape, step_breakdown  # noqa: E402
+from bench.h200_micro import (  # noqa: E402
+    QWEN3_8B,
+    TINY,
+    Recorder,
+    copy_bandwidth,
+    guarded,
+    write_model_dirs,
+)
+from runtime.bench_switches import FORCE_TAU_ENV, RANDOM_WEIGHTS_ENV  # noqa: E402
 
 TAUS = (6.4, 3.0)
 LEVELS = (1, 8, 32)
@@ -65,6 +75,7 @@ class HealthLog:
         self.name, self.address, self.service, self.t0 = name, address, service, t0
         self.events: list[tuple[float, str]] = []
         self._stop = threading.Event()
+        self._call = None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -80,18 +91,24 @@ class HealthLog:
             try:
                 with grpc.insecure_channel(self.address) as ch:
                     stub = health_pb2_grpc.HealthStub(ch)
-                    for msg in stub.Watch(health_pb2.HealthCheckRequest(service=self.service),
-                                          timeout=3600):
+                    self._call = stub.Watch(health_pb2.HealthCheckRequest(service=self.service),
+                                            timeout=3600)
+                    for msg in self._call:
                         self._record(health_pb2.HealthCheckResponse.ServingStatus.Name(msg.status))
                         if self._stop.is_set():
                             return
             except grpc.RpcError as e:
+                if self._stop.is_set():
+                    return
                 self._record(f"no answer ({e.code().name})" if e.code() else "no answer")
             self._stop.wait(0.2)
 
     def stop(self) -> list[tuple[float, str]]:
         self._stop.set()
-        return self.events
+        if self._call is not None:
+            self._call.cancel()
+        self._thread.join(5)
+        return list(self.events)
 
 
 # -- (a) and (d): through the services -------------------------------------------------------
@@ -125,13 +142,16 @@ class GpuStack:
             os.environ[FORCE_TAU_ENV] = str(self.tau)
         else:
             os.environ.pop(FORCE_TAU_ENV, None)
-        health = [HealthLog("target", f"127.0.0.1:{self.opts.target_port}", "dflash.v1.Target", t0)]
-        if self.opts.drafter != "none":
-            health.append(HealthLog("draft", f"127.0.0.1:{self.opts.draft_port}",
-                                    "dflash.v1.Draft", t0))
+        health: list[HealthLog] = []
         try:
-            self.stack.start()
+            self.stack.start()          # children first: no fork while gRPC threads run here
+            health.append(HealthLog("target", f"127.0.0.1:{self.opts.target_port}",
+                                    "dflash.v1.Target", t0))
+            if self.opts.drafter != "none":
+                health.append(HealthLog("draft", f"127.0.0.1:{self.opts.draft_port}",
+                                        "dflash.v1.Draft", t0))
             self.stack.wait_ready()
+            events = {h.name: h.stop() for h in health}
             if self.opts.drafter != "none":
                 self._second_gateway(WIRES[1])
         finally:
@@ -140,8 +160,7 @@ class GpuStack:
             else:
                 os.environ[FORCE_TAU_ENV] = env_before
         time.sleep(0.5)
-        return {"ready_s": round(time.monotonic() - t0, 1),
-                "health": {h.name: h.stop() for h in health}}
+        return {"ready_s": round(time.monotonic() - t0, 1), "health": events}
 
     def _second_gateway(self, wire: str) -> None:
         """Another gateway on the same target and draft, with the other wire."""
@@ -271,34 +290,43 @@ def inprocess(tdir: Path, ddir: Path | None, args, prompts, max_tokens: int, tau
 
 
 def draft_graph_check(drafter, ctx: int = 40, batch: int = 3) -> dict:
-    """The captured propose against the eager block forward on the same context (before the
-    engine runs anything): drafts that agree, out of all. Run while the engine is idle."""
+    """The captured path (context append + block forward graphs) against the eager one on the
+    same features: drafts that agree, out of all. Run while the engine is idle."""
+    graphs = drafter._append_graphs
+    eager = _drafts(drafter, "eager", ctx, batch, graphed=False)
+    graphed = _drafts(drafter, "graphed", ctx, batch, graphed=True)
+    drafter._append_graphs = graphs
+    same = sum(a == b for x, y in zip(eager, graphed) for a, b in zip(x, y))
+    return {"graph_captured": drafter._graph is not None and graphs is not None, "agree": same,
+            "drafts": sum(len(x) for x in eager)}
+
+
+def _drafts(drafter, name: str, ctx: int, batch: int, graphed: bool) -> list[list[int]]:
     from services.draft.drafter import ProposeItem
     from services.draft.sequence import DraftSequence
-    seqs = [DraftSequence(f"graph-check-{i}") for i in range(batch)]
+    saved = drafter._append_graphs
+    if not graphed:
+        drafter._append_graphs = None
+    seqs = [DraftSequence(f"check-{name}-{i}") for i in range(batch)]
     g = torch.Generator().manual_seed(1)
     feats = torch.randn(ctx, drafter.facts.feature_width, generator=g).to(
         getattr(torch, drafter.facts.feature_dtype))
-    first = [ProposeItem(seq=s, start=0, num_new=ctx, features=feats, token_ids=[0] * ctx,
-                         anchor=1, block_size=1) for s in seqs]
-    for it in first:
-        drafter.reserve(it)
-    drafter.run(first)                                      # context appended once
-    for s in seqs:
-        s.context_len = ctx
+    for s in seqs:                       # appended in 8-row pieces, as steps append them
+        for start in range(0, ctx, 8):
+            item = ProposeItem(seq=s, start=start, num_new=8, features=feats[start: start + 8],
+                               token_ids=[0] * 8, anchor=1, block_size=1)
+            drafter.reserve(item)
+            drafter.run([item])
+            s.context_len = start + 8
     blocks = [ProposeItem(seq=s, start=ctx, num_new=0, features=None, token_ids=[],
                           anchor=7 + i, block_size=16) for i, s in enumerate(seqs)]
     for it in blocks:
         drafter.reserve(it)
-    eager = drafter.run(blocks).drafts
-    for it in blocks:
-        drafter.reserve(it)
-    graphed = drafter.propose(blocks)
+    out = drafter.propose(blocks) if graphed else drafter.run(blocks).drafts
     for s in seqs:
         drafter.release(s)
-    same = sum(a == b for x, y in zip(eager, graphed) for a, b in zip(x, y))
-    return {"graph_captured": drafter._graph is not None, "agree": same,
-            "drafts": sum(len(x) for x in eager)}
+    drafter._append_graphs = saved
+    return out
 
 
 async def _inproc_wave(engines, prompts, max_tokens, block, speculate, sampling, concurrency=None):

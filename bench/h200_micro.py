@@ -26,7 +26,7 @@ QWEN3_8B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab
             "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645}
 TINY = {**QWEN3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
         "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32, "max_position_embeddings": 4096}
+        "head_dim": 32, "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2}
 
 
 class Recorder:

@@ -21,15 +21,38 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 @dataclass
 class _Static:
-    """Device buffers a captured graph reads (refilled before each replay) and writes."""
-    input_ids: torch.Tensor      # int64 [bs*q]
-    positions: torch.Tensor      # int64 [bs*q]
-    slots: torch.Tensor          # int64 [bs*q]
-    cu_q: torch.Tensor           # int32 [bs+1]
-    prefix: torch.Tensor         # int32 [bs]
-    tables: torch.Tensor         # int32 [bs, max_pages]
+    """Device buffers a captured graph reads (refilled before each replay) and writes.
+    The int inputs are views into two packed device buffers, filled from pinned host mirrors
+    with one copy each (instead of one synchronous pageable copy per tensor)."""
+    packed64: torch.Tensor       # int64 [3*bs*q]: input_ids | positions | slots
+    packed32: torch.Tensor       # int32 [bs + bs*max_pages]: prefix | tables
+    host64: torch.Tensor         # pinned mirrors of the two
+    host32: torch.Tensor
+    cu_q: torch.Tensor           # int32 [bs+1] (constant)
+    bs: int
+    n: int                       # bs * q
     out: ForwardOutput | None = None
     graph: torch.cuda.CUDAGraph | None = None
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.packed64[: self.n]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.packed64[self.n: 2 * self.n]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.packed64[2 * self.n:]
+
+    @property
+    def prefix(self) -> torch.Tensor:
+        return self.packed32[: self.bs]
+
+    @property
+    def tables(self) -> torch.Tensor:
+        return self.packed32[self.bs:].view(self.bs, -1)
 
 
 class GraphRunner:
@@ -49,7 +72,9 @@ class GraphRunner:
     def capture(self) -> None:
         for bs in reversed(self.buckets):
             st = self._alloc(bs)
-            self._fill_dummy(st, 0)
+            self._fill_dummy_host(st, 0)
+            st.packed64.copy_(st.host64)
+            st.packed32.copy_(st.host32)
             meta = self._static_meta(st, bs)
             torch.cuda.synchronize()
             for _ in range(2):                      # warm up kernels (autotune, JIT) off-graph
@@ -71,44 +96,53 @@ class GraphRunner:
 
     def run(self, slices: list[SeqSlice], input_ids: torch.Tensor, positions: torch.Tensor
             ) -> ForwardOutput:
+        """input_ids, positions: int64 [bs*q] on the host. The caller synchronises with the
+        outputs before the next run (the pinned mirrors are rewritten by it)."""
         bs = len(slices)
         st = self.graphs[self.bucket(bs)]
-        n = bs * self.q_len
-        st.input_ids[:n].copy_(input_ids, non_blocking=True)
-        st.positions[:n].copy_(positions, non_blocking=True)
-        meta = AttentionMetadata.build(slices, self.cache, self.causal, self.device)
-        st.slots[:n].copy_(meta.slot_mapping)
-        width = meta.page_tables.shape[1]
-        st.tables[:bs, :width].copy_(meta.page_tables)
-        st.tables[:bs, width:].zero_()
-        st.prefix[:bs].copy_(torch.tensor(meta.prefix_lens, dtype=torch.int32), non_blocking=True)
-        self._fill_dummy(st, bs)
+        n, q, ps = bs * self.q_len, self.q_len, self.cache.page_size
+        h64, h32 = st.host64, st.host32
+        h64[:n].copy_(input_ids)
+        h64[st.n: st.n + n].copy_(positions)
+        h64[2 * st.n: 2 * st.n + n] = torch.tensor(
+            [x for s in slices for x in self.cache.slots(s.table, s.prefix_len, s.prefix_len + q)],
+            dtype=torch.int64)
+        h32[:bs] = torch.tensor([s.prefix_len for s in slices], dtype=torch.int32)
+        tables = h32[st.bs:].view(st.bs, -1)
+        tables.zero_()
+        for i, s in enumerate(slices):
+            tables[i, : len(s.table.pages)] = torch.tensor(s.table.pages, dtype=torch.int32)
+        self._fill_dummy_host(st, bs)
+        st.packed64.copy_(h64, non_blocking=True)
+        st.packed32.copy_(h32, non_blocking=True)
         st.graph.replay()
         captured = st.out.captured[:n] if st.out.captured is not None else None
         return ForwardOutput(hidden=st.out.hidden[:n], captured=captured)
 
     # -- internals -------------------------------------------------------------------------
     def _alloc(self, bs: int) -> _Static:
-        i64 = dict(dtype=torch.int64, device=self.device)
-        i32 = dict(dtype=torch.int32, device=self.device)
         n = bs * self.q_len
+        size64, size32 = 3 * n, bs + bs * self.max_pages
         return _Static(
-            input_ids=torch.zeros(n, **i64), positions=torch.zeros(n, **i64),
-            slots=torch.zeros(n, **i64),
-            cu_q=torch.arange(0, (bs + 1) * self.q_len, self.q_len, **i32),
-            prefix=torch.zeros(bs, **i32), tables=torch.zeros(bs, self.max_pages, **i32))
+            packed64=torch.zeros(size64, dtype=torch.int64, device=self.device),
+            packed32=torch.zeros(size32, dtype=torch.int32, device=self.device),
+            host64=torch.zeros(size64, dtype=torch.int64, pin_memory=True),
+            host32=torch.zeros(size32, dtype=torch.int32, pin_memory=True),
+            cu_q=torch.arange(0, (bs + 1) * self.q_len, self.q_len, dtype=torch.int32,
+                              device=self.device), bs=bs, n=n)
 
-    def _fill_dummy(self, st: _Static, start: int) -> None:
-        """Sequences start.. of the bucket: q_len tokens at positions 0.. in scratch page 0."""
+    def _fill_dummy_host(self, st: _Static, start: int) -> None:
+        """Host mirrors of sequences start.. of the bucket: q_len tokens at positions 0.. in
+        scratch page 0 (prefix 0, table of page 0)."""
         lo = start * self.q_len
-        if lo >= st.input_ids.shape[0]:
+        if lo >= st.n:
             return
-        pos = torch.arange(self.q_len, device=self.device).repeat(st.prefix.shape[0] - start)
-        st.input_ids[lo:].zero_()
-        st.positions[lo:].copy_(pos)
-        st.slots[lo:].copy_(pos % self.cache.page_size)
-        st.prefix[start:].zero_()
-        st.tables[start:].zero_()
+        pos = torch.arange(self.q_len).repeat(st.bs - start)
+        st.host64[lo: st.n].zero_()
+        st.host64[st.n + lo: 2 * st.n].copy_(pos)
+        st.host64[2 * st.n + lo:].copy_(pos % self.cache.page_size)
+        st.host32[start: st.bs].zero_()
+        st.host32[st.bs:].view(st.bs, -1)[start:].zero_()
 
     def _static_meta(self, st: _Static, bs: int) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping=st.slots, q_lens=[self.q_len] * bs,

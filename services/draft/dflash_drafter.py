@@ -94,6 +94,7 @@ class DFlashDrafter(Drafter):
         self.cache: PagedKVCache | None = None
         self.backend: AttentionBackend | None = None
         self._graph = None                  # GraphRunner of the block forward (CUDA + triton)
+        self._append_graphs = None          # RowGraphs of the context append (CUDA)
 
     # -- start-up ----------------------------------------------------------------------------
     def init_backend(self) -> None:
@@ -128,12 +129,17 @@ class DFlashDrafter(Drafter):
                 and hasattr(self.backend, "bind")):
             return
         from runtime.cuda_graphs import GraphRunner
+        from runtime.row_graphs import RowGraphs
         block = self.facts.max_block_size
         with torch.inference_mode():
             runner = GraphRunner(self._block_tokens, self.backend, self.cache, block,
                                  self.facts.max_context, causal=False)
             runner.capture()
-        self._graph = runner
+            rows = RowGraphs(self._store_context, self.facts.feature_width,
+                             getattr(torch, self.facts.feature_dtype), self.device,
+                             self.cache.page_size)
+            rows.capture()
+        self._graph, self._append_graphs = runner, rows
         log.info("draft cuda graphs ready", extra={"block_size": block})
 
     def propose(self, items: list[ProposeItem]) -> list[list[int]]:
@@ -177,12 +183,22 @@ class DFlashDrafter(Drafter):
     def append(self, items: list[ProposeItem]) -> None:
         if not items:
             return
-        feats = torch.cat([i.features for i in items]).to(self.device)          # [N, K*H]
+        feats = torch.cat([i.features for i in items])                          # [N, K*H]
         positions = torch.cat([torch.arange(i.start, i.context_len) for i in items])
-        slots = [s for i in items for s in self.cache.slots(i.seq.table, i.start, i.context_len)]
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        for layer, (k, v) in enumerate(self.model.context_kv(feats, positions.to(self.device))):
-            self.backend.store_kv(layer, k, v, slot_mapping)
+        slots = torch.tensor([s for i in items
+                              for s in self.cache.slots(i.seq.table, i.start, i.context_len)],
+                             dtype=torch.int64)
+        graphs = self._append_graphs
+        if graphs is None or not graphs.run(feats, positions, slots):
+            self._store_context(feats.to(self.device), positions.to(self.device),
+                                slots.to(self.device))
+
+    def _store_context(self, feats: torch.Tensor, positions: torch.Tensor,
+                       slots: torch.Tensor) -> None:
+        """feats [N, K*H], positions / slots int64 [N] on the device: each draft layer's context
+        k/v written to the sequences' cache slots (captured per row bucket on CUDA)."""
+        for layer, (k, v) in enumerate(self.model.context_kv(feats, positions)):
+            self.backend.store_kv(layer, k, v, slots)
 
     def _block_inputs(self, items: list[ProposeItem]
                       ) -> tuple[list[SeqSlice], torch.Tensor, torch.Tensor]:

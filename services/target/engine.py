@@ -219,7 +219,7 @@ class TargetEngine:
             elif work.done_tokens + n == len(work.payload.token_ids):
                 rows.append(offset + n - 1)
             offset += n
-        logits = self.worker.logits(out.hidden[rows]) if rows else None
+        logits = self.worker.logits(_rows(out.hidden, rows)) if rows else None
         self._finish(runnable, out.captured, capture, logits)
         seconds = time.perf_counter() - t0
         self.stats.forwards += 1
@@ -377,6 +377,13 @@ class TargetEngine:
             metrics.STATE_USAGE.labels(lb.model_name, lb.service).set(pool.usage())
 
 
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] without an index transfer when the rows are all of t (a verify-only batch)."""
+    if len(rows) == t.shape[0] and rows[0] == 0 and rows[-1] == len(rows) - 1:
+        return t
+    return t[torch.tensor(rows, device=t.device)]
+
+
 def _greedy_batch(rows: list[tuple[list[int], int, int]], argmax: torch.Tensor) -> torch.Tensor:
     """rows: (drafts, first logits row, block size) per greedy verify; argmax [R] on the device.
     Returns int64 [S, 2] (a, bonus) decided on the device."""
@@ -386,9 +393,8 @@ def _greedy_batch(rows: list[tuple[list[int], int, int]], argmax: torch.Tensor) 
     for i, (d, first, n) in enumerate(rows):
         drafts[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
         index[i] = first + torch.arange(width + 1).clamp(max=n - 1)
-    dev = argmax.device
-    return greedy_accept_batch(drafts.to(dev, non_blocking=True),
-                               argmax[index.to(dev, non_blocking=True)])
+    both = torch.cat([drafts, index], dim=1).to(argmax.device)     # one host->device copy
+    return greedy_accept_batch(both[:, :width], argmax[both[:, width:]])
 
 
 def _split_host(flat: list[int], sizes: list[int]) -> list[list[int]]:
@@ -423,10 +429,7 @@ class FeatureFetch:
             if r is not None:
                 groups.setdefault(r[:2], []).append(i)
         for (layers, dtype), members in groups.items():
-            index = torch.cat([torch.arange(self.requests[i][2], self.requests[i][2] + self.requests[i][3])
-                               for i in members])
-            rows = self._columns(self.captured.index_select(
-                0, index.to(self.captured.device, non_blocking=True)), layers).to(dtype)
+            rows = self._columns(self._rows(members), layers).to(dtype)
             host = _to_host(rows)
             start = 0
             for i in members:
@@ -434,6 +437,14 @@ class FeatureFetch:
                 out[i] = host[start: start + n]
                 start += n
         return out
+
+    def _rows(self, members: list[int]) -> torch.Tensor:
+        """The requested rows of the members, in order (a slice when they are one range)."""
+        spans = [(self.requests[i][2], self.requests[i][3]) for i in members]
+        if len(spans) == 1:
+            return self.captured[spans[0][0]: spans[0][0] + spans[0][1]]
+        index = torch.cat([torch.arange(first, first + n) for first, n in spans])
+        return self.captured.index_select(0, index.to(self.captured.device))
 
     def _columns(self, rows: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
         """The columns of `layers` (a subset of the batch's captured layers, in their order)."""

@@ -163,8 +163,7 @@ class TargetWorker:
         runner = self._graph_for(slices, capture_layers)
         if runner is not None:
             with torch.inference_mode():
-                return runner.run(slices, input_ids.to(self.device, non_blocking=True),
-                                  positions.to(self.device, non_blocking=True))
+                return runner.run(slices, input_ids, positions)     # host tensors, packed there
         meta = AttentionMetadata.build(slices, self.kv_cache, causal=True, device=self.device)
         if self.facts.hybrid:
             self.model.set_state_context(meta, state_slots, verify)
@@ -184,19 +183,20 @@ class TargetWorker:
                 or not hasattr(backend, "bind")):
             return
         from runtime.cuda_graphs import GraphRunner
-        layers = tuple(cfg.graph_capture_layers)
         model = self.model
-
-        def forward(ids, pos, meta):
-            return model(ids, pos, ForwardBatch(backend, layers))
+        # no features (autoregressive verify, drafters without features) and the drafter's layers
+        layer_sets = sorted({(), tuple(cfg.graph_capture_layers)})
         with torch.inference_mode():
-            for q in cfg.graph_block_sizes:
-                runner = GraphRunner(forward, backend, self.kv_cache, q, self.facts.max_context,
-                                     causal=True)
-                runner.capture()
-                self._graphs[(q, layers)] = runner
+            for layers in layer_sets:
+                def forward(ids, pos, meta, layers=layers):
+                    return model(ids, pos, ForwardBatch(backend, layers))
+                for q in cfg.graph_block_sizes:
+                    runner = GraphRunner(forward, backend, self.kv_cache, q,
+                                         self.facts.max_context, causal=True)
+                    runner.capture()
+                    self._graphs[(q, layers)] = runner
         log.info("cuda graphs ready", extra={"block_sizes": cfg.graph_block_sizes,
-                                             "capture_layers": layers})
+                                             "capture_layers": layer_sets})
 
     def _graph_for(self, slices: list[SeqSlice], capture_layers: tuple[int, ...]):
         """The captured runner for this batch, or None (eager): every sequence must append the
