@@ -2,9 +2,11 @@
 docs/benchmarks.md (from its '## ' heading to the next one) without touching the others."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 DOC_HEADER = "# Benchmarks\n"
@@ -39,9 +41,27 @@ def write_section(doc: Path, heading: str, text: str) -> None:
     doc.write_text(new)
 
 
-def save(result: dict, out: Path, doc: Path, heading: str, text: str) -> None:
-    """The run's JSON (with the load average at its end) and its section of the doc."""
+def save(result: dict, out: Path, doc: Path, heading: str,
+         text: str | Callable[[dict], str]) -> None:
+    """The run's JSON (with the load average at its end) and its section of the doc; `text` may
+    be the function that renders it from the result (then it sees load_avg_end too)."""
     result["load_avg_end"] = os.getloadavg()[0]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    write_section(doc, heading, text)
+    write_section(doc, heading, text(result) if callable(text) else text)
+
+
+def add_output_flags(p: argparse.ArgumentParser, name: str) -> None:
+    """The flags every CPU benchmark has: --shared, --out (bench/results/<name>.json), --doc,
+    --render-only."""
+    p.add_argument("--shared", action="store_true", help="note that others used the CPU")
+    p.add_argument("--out", default=f"bench/results/{name}.json")
+    p.add_argument("--doc", default="docs/benchmarks.md")
+    p.add_argument("--render-only", action="store_true", help="rewrite the doc from --out")
+
+
+def render_only(args: argparse.Namespace, heading: str, markdown: Callable[[dict], str]) -> bool:
+    """--render-only: rewrites the benchmark's doc section from its JSON; True when it did."""
+    if args.render_only:
+        write_section(Path(args.doc), heading, markdown(json.loads(Path(args.out).read_text())))
+    return args.render_only

@@ -10,6 +10,7 @@ BENCHES = [
     ["bench.draft_cpu"],
     ["bench.hybrid_cpu"],
     ["bench.gateway_cpu"],
+    ["bench.wire_cpu"],
     ["dflash.cli", "eval-draft", "--out", "bench/results/drafter_eval.json"],
     ["bench.drafter_cpu"],
 ]

@@ -9,6 +9,10 @@ from services.common import flags, tls
 from services.common.tls import ClientTls, ServerTls
 
 MiB = 1024 * 1024
+# How Propose and Verify travel: one unary RPC per call, or one long-lived bidirectional stream
+# per upstream carrying every call (measured: bench/wire_cpu.py, docs/benchmarks.md).
+WIRES = ("unary", "stream")
+DEFAULT_WIRE = "stream"
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,7 @@ class GatewayConfig:
     capabilities_timeout_s: float = 10.0
     prefill_timeout_s: float = 300.0     # deadline of Prefill (long prompts on CPU)
     step_timeout_s: float = 60.0         # deadline of Propose and Verify
+    wire: str = DEFAULT_WIRE             # Propose/Verify: "unary" RPCs or one "stream" per upstream
     release_timeout_s: float = 5.0
     max_message_mib: int = 256           # matches the services' limit
     keepalive_s: float = 30.0            # client pings; the services accept >= 10 s
@@ -51,6 +56,8 @@ class GatewayConfig:
             raise ValueError("--target HOST:PORT is required")
         if not self.tokenizer_dir:
             raise ValueError("--tokenizer DIR (the target's model directory) is required")
+        if self.wire not in WIRES:
+            raise ValueError(f"--wire {self.wire!r}: allowed {list(WIRES)}")
         if self.keepalive_s < 10:
             raise ValueError("--keepalive-s must be >= 10: the services reject pings more often")
         if self.block_size < 0 or self.max_running < 1 or self.max_waiting < 0:
@@ -78,6 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flags.add(p, "--backoff-max", 5.0, float, "largest reconnect delay (s)")
     flags.add(p, "--prefill-timeout", 300.0, float, "deadline of a Prefill call (s)")
     flags.add(p, "--step-timeout", 60.0, float, "deadline of Propose and Verify calls (s)")
+    flags.add(p, "--wire", DEFAULT_WIRE, str, "Propose and Verify calls: one unary RPC each, or "
+              "all on one long-lived bidirectional stream per upstream", choices=WIRES)
     flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
     flags.add(p, "--keepalive-s", 30.0, float, "keepalive ping interval to upstreams (>= 10)")
     flags.add(p, "--max-running", 256, int, "requests generating at once (more wait)")
@@ -110,7 +119,7 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         port=args.port, http_port=args.http_port, block_size=args.block_size,
         model_name=args.model_name, startup_timeout_s=args.startup_timeout,
         backoff_initial_s=args.backoff_initial, backoff_max_s=args.backoff_max,
-        prefill_timeout_s=args.prefill_timeout, step_timeout_s=args.step_timeout,
+        prefill_timeout_s=args.prefill_timeout, step_timeout_s=args.step_timeout, wire=args.wire,
         max_message_mib=args.max_message_mib, keepalive_s=args.keepalive_s,
         max_running=args.max_running, max_waiting=args.max_waiting,
         retry_after_s=args.retry_after, pending_feature_mib=args.pending_feature_mib,

@@ -44,9 +44,10 @@ class GatewayState:
         self.tokenizer = ChatTokenizer(config.tokenizer_dir)
         self.tokenizer_hash = tokenizer_fingerprint(config.tokenizer_dir)
         self.target = Upstream("target", config.target, TARGET_SERVICE, target_pb2_grpc.TargetStub,
-                               config, self._recompute)
+                               config, self._recompute, {"Verify": target_pb2.VerifyStreamRequest})
         self.draft = (Upstream("draft", config.draft, DRAFT_SERVICE, draft_pb2_grpc.DraftStub,
-                               config, self._recompute) if config.draft else None)
+                               config, self._recompute, {"Propose": draft_pb2.ProposeStreamRequest})
+                      if config.draft else None)
         self.readiness = Readiness(SERVICE_NAME)
         self.ready = False
         self.reason = f"waiting for the target at {config.target}"

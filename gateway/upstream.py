@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dflash.v1 import common_pb2
+from gateway.call_stream import CallFailed, CallStream, StreamUnsupported
 from gateway.config import GatewayConfig
 from services.common import metrics
 
@@ -19,6 +20,9 @@ log = logging.getLogger("dflash.gateway.upstream")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 WATCH_REOPEN_S = 300.0        # a Watch carries a deadline too; it is reopened when it passes
+# --wire stream: a request larger than this goes unary, so that one big message (a Propose with a
+# whole prompt's features) does not hold up the small per-step calls queued behind it on the stream
+STREAM_MAX_BYTES = 1 << 20
 
 
 class UpstreamError(Exception):
@@ -58,16 +62,22 @@ def _channel(address: str, config: GatewayConfig) -> grpc.aio.Channel:
 class Upstream:
     """`serving` and `capabilities` change only on the event loop; `on_change()` is called after
     every change. `capabilities` is fetched on each transition to SERVING (a restarted service
-    may be a different one) and is None until then."""
+    may be a different one) and is None until then. `streamed`: per-step methods and their
+    <M>StreamRequest type; with --wire stream their calls share one <M>Stream (CallStream)."""
 
     def __init__(self, role: str, address: str, service_name: str, stub_factory: Callable,
-                 config: GatewayConfig, on_change: Callable[[], None]) -> None:
+                 config: GatewayConfig, on_change: Callable[[], None],
+                 streamed: Mapping[str, type] | None = None) -> None:
         self.role, self.address, self.service_name = role, address, service_name
         self.config = config
         self.on_change = on_change
         self.channel = _channel(address, config)
         self.stub = stub_factory(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.streams = {method: CallStream(f"{role} {method}Stream",
+                                           getattr(self.stub, f"{method}Stream"), request_type)
+                        for method, request_type in (streamed or {}).items()
+                        if config.wire == "stream"}
         self.serving = False
         self.capabilities: Any = None
         self.status = "not contacted yet"      # for readiness reasons and logs
@@ -84,6 +94,8 @@ class Upstream:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        for stream in self.streams.values():
+            await stream.close()
         await self.channel.close(grace=None)
 
     def mark_failed(self, why: str) -> None:
@@ -97,14 +109,32 @@ class Upstream:
 
     # -- calls -----------------------------------------------------------------------------
     async def call(self, method: str, request: Any, timeout: float) -> Any:
-        """Unary call with a deadline; failures become UpstreamError (and count as metrics)."""
+        """A call with a deadline, on the method's call stream if it has one (--wire stream),
+        else unary; failures of either become the same UpstreamError (and count as metrics)."""
         try:
+            if method in self.streams and request.ByteSize() <= STREAM_MAX_BYTES:
+                return await self._streamed(method, request, timeout)
             return await getattr(self.stub, method)(request, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            self.count_error(e.code())
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                self.mark_failed(f"{method}: {e.details()}")
-            raise UpstreamError(self.role, method, e.code(), e.details() or "") from None
+            raise self._failed(method, e.code(), e.details() or "") from None
+        except CallFailed as e:
+            raise self._failed(method, e.code, e.details) from None
+
+    async def _streamed(self, method: str, request: Any, timeout: float) -> Any:
+        try:
+            return await self.streams[method].call(request, timeout)
+        except StreamUnsupported as e:     # an older service: unary from now on (never ran)
+            stream = self.streams.pop(method, None)
+            if stream is not None:
+                log.warning("%s: %s; sending %s calls unary", self.role, e.details, method)
+                await stream.close()
+            return await getattr(self.stub, method)(request, timeout=timeout)
+
+    def _failed(self, method: str, code: grpc.StatusCode, details: str) -> UpstreamError:
+        self.count_error(code)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self.mark_failed(f"{method}: {details}")
+        return UpstreamError(self.role, method, code, details)
 
     def count_error(self, code: grpc.StatusCode) -> None:
         if self.model_name:

@@ -24,6 +24,14 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_reference(smollm2_dir):
+    """transformers' greedy generate on SmolLM2 (support.gateway_stack.GreedyReference), loaded
+    once for every test file that checks output against it."""
+    from support.gateway_stack import GreedyReference
+    return GreedyReference(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny_llama"), "llama", tie_word_embeddings=True)
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import pytest
 from support.draft_service import start_draft
-from support.gateway_stack import GreedyReference, start_gateway, wait_until
+from support.gateway_stack import GreedyReference, generate_concurrently, start_gateway, wait_until
 from support.procs import ServiceProcess, start_target
 
 from dflash.v1 import common_pb2, gateway_pb2
@@ -40,8 +39,8 @@ def prompts(smollm2_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_dir) -> GreedyReference:
-    return GreedyReference(smollm2_dir)
+def reference(smollm2_reference) -> GreedyReference:
+    return smollm2_reference
 
 
 @pytest.fixture(scope="module")
@@ -95,17 +94,7 @@ def test_greedy_output_is_token_identical_to_transformers(kind, gateways, prompt
 
 
 def test_concurrent_requests_are_each_exact(gateways, prompts, reference):
-    gw = gateways["prompt-lookup"]
-    results: dict[int, list[int]] = {}
-
-    def one(i: int) -> None:
-        results[i] = gw.generate(prompts[i], N)[0]
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    results = generate_concurrently(gateways["prompt-lookup"], prompts, N)
     assert all(results[i] == reference(ids, N) for i, ids in enumerate(prompts))
 
 

@@ -5,23 +5,30 @@
 - while the service drains (SIGTERM), calls that would start new work are answered UNAVAILABLE
   (which ones is the service's `refuse(method, request)`), the rest are served to the end.
 
+A call stream `<M>Stream` (services/common/call_stream.py) gets the same per call: each <M> call
+on it that the drain refuses is handed on as call_stream.Refused (answered UNAVAILABLE, not run);
+undecodable bytes end the stream INVALID_ARGUMENT (they carry no call_id to answer).
+
 Health and reflection are left to grpc."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from services.common import metrics
+from services.common.call_stream import Refused
+from services.common.errors import Unavailable
 
 log = logging.getLogger("dflash.guard")
 
 PREFIX = "/dflash.v1."
+STREAM_SUFFIX = "Stream"          # <M>Stream multiplexes <M> calls
 
 
 @dataclass(frozen=True)
@@ -60,31 +67,36 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         method = details.method or ""
-        if handler is None or not method.startswith(PREFIX) or handler.request_streaming:
+        if handler is None or not method.startswith(PREFIX):
             return handler
         name = method.rsplit("/", 1)[-1]
-        type_name = _request_type(handler, name)
-        fields = {"request_deserializer": _safe_deserializer(handler.request_deserializer,
-                                                             type_name)}
         if handler.unary_unary is not None:
-            fields["unary_unary"] = self._unary(handler.unary_unary, name)
+            fields = {"unary_unary": self._unary(handler.unary_unary, name)}
         elif handler.unary_stream is not None:
-            fields["unary_stream"] = self._stream(handler.unary_stream, name)
+            fields = {"unary_stream": self._stream(handler.unary_stream, name)}
+        elif handler.stream_stream is not None and name.endswith(STREAM_SUFFIX):
+            fields = {"stream_stream": self._call_stream(handler.stream_stream, name)}
+        else:
+            return handler
+        fields["request_deserializer"] = _safe_deserializer(handler.request_deserializer,
+                                                            _request_type(handler, name))
         return handler._replace(**fields)
 
     async def _check(self, request: Any, context: grpc.aio.ServicerContext, name: str) -> None:
-        if isinstance(request, Undecodable):
-            metrics.observe_rpc(name, "INVALID_ARGUMENT", 0.0)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the request is not a valid {request.type_name} protobuf message "
-                                f"({request.error})")
-        d = self.drain
-        if d is not None and d.draining and d.refuse(name, request):
-            d.refused += 1
+        await _decodable(request, context, name)
+        why = self._refusal(name, request)
+        if why is not None:
             metrics.observe_rpc(name, "UNAVAILABLE", 0.0)
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"{name} refused: this service is shutting down (draining the "
-                                f"work it has); use another replica or retry when it is back")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, why)
+
+    def _refusal(self, name: str, request: Any) -> str | None:
+        """Why the drain refuses this call, or None."""
+        d = self.drain
+        if d is None or not d.draining or not d.refuse(name, request):
+            return None
+        d.refused += 1
+        return (f"{name} refused: this service is shutting down (draining the work it has); use "
+                f"another replica or retry when it is back")
 
     def _unary(self, behavior, name: str):
         async def guarded(request, context):
@@ -98,6 +110,30 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
             async for item in behavior(request, context):
                 yield item
         return guarded
+
+    def _call_stream(self, behavior, name: str):
+        call = name.removesuffix(STREAM_SUFFIX)
+
+        async def guarded(requests, context):
+            await behavior(self._admitted(requests, context, name, call), context)
+        return guarded
+
+    async def _admitted(self, requests: AsyncIterable, context: grpc.aio.ServicerContext,
+                        name: str, call: str) -> AsyncIterator:
+        """The stream's messages, each refused call replaced by a Refused."""
+        async for message in requests:
+            await _decodable(message, context, name)
+            why = None if message.cancel else self._refusal(call, message.request)
+            yield message if why is None else Refused(message, Unavailable(why))
+
+
+async def _decodable(request: Any, context: grpc.aio.ServicerContext, name: str) -> None:
+    """Aborts INVALID_ARGUMENT (naming the type) when the bytes did not parse."""
+    if isinstance(request, Undecodable):
+        metrics.observe_rpc(name, "INVALID_ARGUMENT", 0.0)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request is not a valid {request.type_name} protobuf message "
+                            f"({request.error})")
 
 
 def _request_type(handler, method: str) -> str:

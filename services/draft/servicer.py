@@ -4,7 +4,7 @@ from __future__ import annotations
 import grpc
 
 from dflash.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from services.common import tensor_codec, validation
+from services.common import call_stream, tensor_codec, validation
 from services.common.errors import InvalidArgument, NotReady, rpc
 from services.draft.drafter import DrafterFacts
 from services.draft.engine import DraftEngine, ProposeCall
@@ -35,6 +35,15 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     @rpc
     async def Propose(self, request: draft_pb2.ProposeRequest, context) -> draft_pb2.ProposeResponse:
+        return await self.propose(request)
+
+    async def ProposeStream(self, requests, context) -> None:
+        """Propose calls multiplexed on one stream (the contract: CallStatus in common.proto)."""
+        await call_stream.serve(requests, context, "Propose", self.propose,
+                                draft_pb2.ProposeStreamResponse)
+
+    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+        """Request -> engine call -> response: the one path of Propose and ProposeStream."""
         facts, engine = self._ready()
         result = await engine.propose(propose_call(request, facts))
         return draft_pb2.ProposeResponse(draft_tokens=result.draft_tokens,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import grpc
 
 from dflash.v1 import common_pb2, target_pb2, target_pb2_grpc
-from services.common import tensor_codec, validation
+from services.common import call_stream, tensor_codec, validation
 from services.common.errors import InvalidArgument, NotReady, rpc
 from services.target.engine import PrefillCall, TargetEngine
 from services.target.worker import TargetWorker
@@ -68,6 +68,15 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     @rpc
     async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyResponse:
+        return await self.verify(request)
+
+    async def VerifyStream(self, requests, context) -> None:
+        """Verify calls multiplexed on one stream (the contract: CallStatus in common.proto)."""
+        await call_stream.serve(requests, context, "Verify", self.verify,
+                                target_pb2.VerifyStreamResponse)
+
+    async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+        """Request -> engine call -> response: the one path of Verify and VerifyStream."""
         worker, engine = self._ready_engine()
         seq_id = validation.sequence_id(request.sequence_id)
         ids = validation.token_ids(request.token_ids, worker.facts.vocab_size)

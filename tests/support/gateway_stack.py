@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -65,6 +66,20 @@ def start_gateway(target: str, tokenizer_dir: str | Path, log_dir: Path, *extra:
     p = GatewayProcess(args, port, http_port, log_dir)
     p.start()
     return p.wait_serving(timeout=120) if wait else p
+
+
+def generate_concurrently(gw: GatewayProcess, prompts: Sequence[Sequence[int]], n: int
+                          ) -> list[list[int]]:
+    """Every prompt as its own greedy request, all at once (a thread each); their token ids."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda ids: gw.generate(ids, n)[0], prompts))
+
+
+def chat_prompts(model_dir: str | Path, texts: Sequence[str]) -> list[list[int]]:
+    """Each text as one user message through the model's chat template, as token ids."""
+    from runtime.tokenizer import ChatTokenizer
+    tok = ChatTokenizer(model_dir)
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
