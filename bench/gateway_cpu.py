@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
                                            args.min_requests, Path(tmp))
         result["end_to_end"] = end_to_end(model_dir, args.e2e_drafters or [DEFAULT_DRAFTER, "none"],
                                           args.e2e_max_tokens, Path(tmp))
-    save(result, Path(args.out), Path(args.doc), SECTION, markdown(result))
+    save(result, Path(args.out), Path(args.doc), SECTION, markdown)
     print(markdown(result))
 
 

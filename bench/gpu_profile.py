@@ -12,8 +12,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 from bench.gpu_side_by_side import _bytes
 from bench.h200_micro import QWEN3_8B, write_model_dirs
 from runtime.bench_switches import FORCE_TAU_ENV, RANDOM_WEIGHTS_ENV

@@ -34,10 +34,10 @@ from pathlib import Path
 # before grpc is imported: the children exec right away, gRPC's fork handlers only get in the way
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-import torch  # noqa: E402
+import torch
 
-from bench.gateway_cpu import drive, free_port, scrape, step_breakdown  # noqa: E402
-from bench.h200_micro import (  # noqa: E402
+from bench.gateway_cpu import drive, free_port, scrape, step_breakdown
+from bench.h200_micro import (
     QWEN3_8B,
     TINY,
     Recorder,
@@ -45,7 +45,7 @@ from bench.h200_micro import (  # noqa: E402
     guarded,
     write_model_dirs,
 )
-from runtime.bench_switches import FORCE_TAU_ENV, RANDOM_WEIGHTS_ENV  # noqa: E402
+from runtime.bench_switches import FORCE_TAU_ENV, RANDOM_WEIGHTS_ENV
 
 TAUS = (6.4, 3.0)
 LEVELS = (1, 8, 32)
@@ -216,6 +216,7 @@ def service_ttft(stack: GpuStack, prompt: list[int], wire: str) -> dict:
     """Time to the first streamed token of a 1000-token prompt, and to the second event (the
     first speculative step: the draft receives the prompt's features first)."""
     import grpc
+
     from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
     address = f"127.0.0.1:{stack.gateways[wire][0]}"
     out = []

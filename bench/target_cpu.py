@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_grpc:
         result["grpc"] = grpc_verify(model_dir, args.repeats, args.threads)
         print(json.dumps(result["grpc"]), flush=True)
-    save(result, Path(args.out), Path(args.doc), SECTION, markdown(result))
+    save(result, Path(args.out), Path(args.doc), SECTION, markdown)
     print(markdown(result))
 
 

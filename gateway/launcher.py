@@ -46,7 +46,7 @@ class StackOptions:
     ready_timeout_s: float = 600.0
     quiet: bool = False
     device: str = "cpu"                # target and draft
-    attention_backend: str = "torch"   # target and draft
+    attention_backend: str = ""        # target and draft; "" = triton on CUDA, torch on CPU
     target_args: tuple[str, ...] = ()  # extra flags, appended as given (benchmarks)
     draft_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
@@ -105,23 +105,28 @@ class Stack:
         return f"http://{self.opts.host}:{self.opts.http_port}"
 
     def start(self) -> None:
+        for child in self.plan():
+            child.start()
+
+    def plan(self) -> list[Child]:
+        """The children (not started yet): their command lines and logs."""
         o = self.opts
         if o.drafter not in DRAFTERS:
             raise ValueError(f"--drafter {o.drafter!r}: allowed {list(DRAFTERS)}")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = o.model_dir or str(_prepare_default_model(o.dtype, o.quiet))
+        draft_args = self._draft_args() if o.drafter != "none" else []
         self._add("target", "services.target", "--model", self.model_dir, "--dtype", o.dtype,
                   "--port", o.target_port, "--host", o.host, "--metrics-port", o.target_metrics_port,
-                  *self._device_args(), *o.target_args)
+                  *self._device_args(), *self._graph_args(draft_args), *o.target_args)
         if o.drafter != "none":
-            self._add("draft", "services.draft", *self._draft_args())
+            self._add("draft", "services.draft", *draft_args)
         self._add("gateway", "gateway", "--target", f"{o.host}:{o.target_port}",
                   "--draft", f"{o.host}:{o.draft_port}" if o.drafter != "none" else "",
                   "--tokenizer", self.model_dir, "--port", o.port, "--http-port", o.http_port,
                   "--host", o.host, "--block-size", o.block_size,
                   *(("--wire", o.wire) if o.wire else ()), *o.gateway_args)
-        for child in self.children:
-            child.start()
+        return self.children
 
     def _draft_args(self) -> list:
         o = self.opts
@@ -131,8 +136,20 @@ class Stack:
             args += ["--model", o.draft_model or str(self._default_drafter())]
         return args + ["--dtype", o.dtype, *self._device_args(), *o.draft_args]
 
+    def _graph_args(self, draft_args: list) -> list[str]:
+        """A DFlash drafter reads the features of its target layers at every verify: the target
+        captures its CUDA graphs with those layers too (else those verifies run eagerly)."""
+        if self.opts.drafter != "dflash" or "--graph-capture-layers" in self.opts.target_args:
+            return []
+        from runtime.models.dflash import DFlashConfig
+        model = draft_args[draft_args.index("--model") + 1]
+        taps = DFlashConfig.from_dir(model).target_layer_ids
+        return ["--graph-capture-layers", ",".join(map(str, taps))]
+
     def _device_args(self) -> list[str]:
-        return ["--device", self.opts.device, "--attention-backend", self.opts.attention_backend]
+        o = self.opts
+        backend = o.attention_backend or ("torch" if o.device == "cpu" else "triton")
+        return ["--device", o.device, "--attention-backend", backend]
 
     def _default_drafter(self) -> Path:
         return _shipped_or_random_drafter(self.model_dir, self.opts.quiet)
@@ -240,12 +257,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-metrics-port", type=int, default=d.target_metrics_port, help="0 = off")
     p.add_argument("--draft-metrics-port", type=int, default=d.draft_metrics_port, help="0 = off")
     p.add_argument("--model", default="", help="target HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=d.dtype, help="target dtype (fp32 is fastest on CPU)")
+    p.add_argument("--dtype", default=d.dtype, help="target and draft dtype (fp32 is fastest on "
+                                                    "CPU; bfloat16 on a GPU)")
+    p.add_argument("--device", default=d.device, help="cpu | cuda | cuda:N (target and draft)")
+    p.add_argument("--attention-backend", default=d.attention_backend,
+                   help="torch | triton | flashinfer (default: triton on CUDA, torch on CPU)")
     p.add_argument("--drafter", default=d.drafter, choices=DRAFTERS,
                    help=f"default {DEFAULT_DRAFTER}")
     p.add_argument("--draft-model", default="", help="DFlash drafter directory (--drafter dflash)")
     p.add_argument("--block-size", type=int, default=0, help="verify block size (0 = the draft's)")
-    p.add_argument("--wire", default="", choices=("", "unary", "stream"),
+    p.add_argument("--wire", default="", choices=("unary", "stream"),
                    help="gateway --wire: Propose/Verify as unary RPCs or on one stream per "
                         "upstream (default: the gateway's)")
     p.add_argument("--log-dir", default="", help="children's logs (default: under the models home)")
@@ -258,7 +279,8 @@ def options_from_args(args: argparse.Namespace, **overrides) -> StackOptions:
         draft_port=args.draft_port, target_metrics_port=args.target_metrics_port,
         draft_metrics_port=args.draft_metrics_port, model_dir=args.model, dtype=args.dtype,
         drafter=args.drafter, draft_model=args.draft_model, block_size=args.block_size,
-        wire=args.wire, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout, **overrides)
+        wire=args.wire, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout,
+        device=args.device, attention_backend=args.attention_backend, **overrides)
 
 
 class _Stop(Exception):

@@ -100,7 +100,7 @@ class GraphRunner:
         outputs before the next run (the pinned mirrors are rewritten by it)."""
         bs = len(slices)
         st = self.graphs[self.bucket(bs)]
-        n, q, ps = bs * self.q_len, self.q_len, self.cache.page_size
+        n, q = bs * self.q_len, self.q_len
         h64, h32 = st.host64, st.host32
         h64[:n].copy_(input_ids)
         h64[st.n: st.n + n].copy_(positions)

@@ -101,3 +101,25 @@ def test_demo_prints_answer_speed_and_acceptance(tmp_path):
     http_port = re.search(r"OpenAI API +http://127.0.0.1:(\d+)/v1", done.stdout).group(1)
     time.sleep(0.5)
     assert not processes_with(f"--http-port {http_port}")   # its children are gone too
+
+
+def test_target_graphs_capture_the_drafter_layers(tmp_path):
+    """With a DFlash drafter the target's CUDA graphs are captured with the drafter's target
+    layers (a verify that asks for features would otherwise run eagerly); device, backend and
+    extra flags reach the children."""
+    from gateway.launcher import SHIPPED_DRAFTER, Stack, StackOptions
+    from runtime.models.dflash import DFlashConfig
+    from runtime.prepare.smollm2 import prepare_smollm2
+    model = prepare_smollm2(["float32"], progress=False)["float32"]
+    taps = DFlashConfig.from_dir(SHIPPED_DRAFTER).target_layer_ids
+    stack = Stack(StackOptions(model_dir=str(model), log_dir=str(tmp_path), device="cuda",
+                               attention_backend="triton", draft_args=("--kv-budget", "1GiB")))
+    argv = {c.name: c.argv for c in stack.plan()}
+    target = argv["target"]
+    assert target[target.index("--graph-capture-layers") + 1] == ",".join(map(str, taps))
+    for name in ("target", "draft"):
+        assert argv[name][argv[name].index("--device") + 1] == "cuda"
+        assert argv[name][argv[name].index("--attention-backend") + 1] == "triton"
+    assert argv["draft"][-2:] == ["--kv-budget", "1GiB"]
+    none = Stack(StackOptions(model_dir=str(model), log_dir=str(tmp_path), drafter="none"))
+    assert "--graph-capture-layers" not in {a for c in none.plan() for a in c.argv}

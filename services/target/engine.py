@@ -290,7 +290,8 @@ class TargetEngine:
                     readers.append(lambda v, r=row: v[0][r])
                 else:
                     sampled.append(self._sample(seq, logits[row: row + 1]))
-                    readers.append(lambda v, j=1 + len(sampled): v[j][0])
+                    j = 1 + len(sampled)
+                    readers.append(lambda v, j=j: v[j][0])
                 row += 1
             else:
                 readers.append(lambda v: None)
