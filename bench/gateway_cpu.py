@@ -195,13 +195,23 @@ def stack_run(drafter: str, prompts: list[list[int]], max_tokens: int, log_dir: 
     return {"runs": runs, "output_ids": ids_out}
 
 
-def _grpc_ids(address: str, ids: list[int], max_tokens: int) -> list[int]:
+def grpc_generate(address: str, ids: list[int], max_tokens: int
+                  ) -> tuple[list[int], gateway_pb2.Usage | None]:
+    """One greedy request through the gateway's gRPC API: (output token ids, its usage)."""
     with grpc.insecure_channel(address) as ch:
         req = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=ids),
                                           max_tokens=max_tokens,
                                           sampling=common_pb2.SamplingParams(temperature=0))
-        return [t for r in gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=1800)
-                for t in r.token_ids]
+        tokens, usage = [], None
+        for r in gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=1800):
+            tokens.extend(r.token_ids)
+            if r.HasField("usage"):
+                usage = r.usage
+        return tokens, usage
+
+
+def _grpc_ids(address: str, ids: list[int], max_tokens: int) -> list[int]:
+    return grpc_generate(address, ids, max_tokens)[0]
 
 
 def transformers_run(model_dir: Path, prompts: list[list[int]], max_tokens: int,

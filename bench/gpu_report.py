@@ -51,8 +51,8 @@ def throughput_table(rows: list[dict], floor: dict) -> list[str]:
         split, share = "—", "—"
         if config == "in-process":
             split = f"{r1['draft_ms']:.1f} / {r1['verify_ms']:.1f} / 0"
-            step = r1["seconds"] * 1000 / r1["steps"] * 1  # c = 1: requests run one after another
-            share = f"{100 * floor_ms / step:.0f} %"
+            step_ms = r1["seconds"] * 1000 / r1["steps"]   # c = 1: one request after another
+            share = f"{100 * floor_ms / step_ms:.0f} %"
         elif config in ("spec services", "AR service"):
             split = (f"{r1['propose_handler_ms']:.1f} / {r1['verify_handler_ms']:.1f} / "
                      f"{r1['overhead_ms']:.1f} ({r1['overhead_pct']:.0f} %)")

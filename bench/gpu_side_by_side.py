@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -117,8 +116,7 @@ class GpuStack:
 
     def __init__(self, tdir: Path, ddir: Path | None, args, log_dir: Path, taps: list[int],
                  tau: float | None) -> None:
-        from gateway.launcher import Child, Stack, StackOptions
-        self.Child = Child
+        from gateway.launcher import Stack, StackOptions
         self.taps, self.tau = taps, tau
         capture = ",".join(map(str, taps)) if ddir is not None else ""
         self.opts = StackOptions(
@@ -166,14 +164,7 @@ class GpuStack:
         """Another gateway on the same target and draft, with the other wire."""
         from gateway.launcher import readiness
         port, http = free_port(), free_port()
-        o = self.opts
-        child = self.Child(f"gateway-{wire}", [
-            sys.executable, "-m", "gateway", "--target", f"127.0.0.1:{o.target_port}",
-            "--draft", f"127.0.0.1:{o.draft_port}", "--tokenizer", o.model_dir,
-            "--port", str(port), "--http-port", str(http), "--host", "127.0.0.1",
-            "--wire", wire, "--max-message-mib", "512"], self.stack.log_dir / f"gateway-{wire}.log")
-        child.start()
-        self.stack.children.append(child)
+        child = self.stack.add_gateway(f"gateway-{wire}", port, http, "--wire", wire)
         deadline = time.monotonic() + 120
         while not readiness(f"http://127.0.0.1:{http}")[0]:
             if time.monotonic() > deadline or child.exited() is not None:

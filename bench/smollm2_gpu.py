@@ -14,39 +14,23 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
-from bench.gateway_cpu import Services, transformers_run
+from bench.gateway_cpu import Services, grpc_generate, transformers_run
 
 
 def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir: Path,
                    **options) -> dict:
     """One request at a time through the gateway's gRPC API (streamed; the GPU image has no
     `openai` package), greedy, prefill included."""
-    import time
-
-    import grpc
-
-    from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
     runs, outputs = [], []
-    with Services(drafter, log_dir / f"e2e-{drafter}", **options) as svc, \
-            grpc.insecure_channel(f"127.0.0.1:{svc.opts.port}") as ch:
-        stub = gateway_pb2_grpc.GatewayStub(ch)
-
-        def generate(prompt: list[int], n: int) -> tuple[list[int], object]:
-            req = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt),
-                                              max_tokens=n,
-                                              sampling=common_pb2.SamplingParams(temperature=0))
-            tokens, usage = [], None
-            for r in stub.Generate(req, timeout=600):
-                tokens.extend(r.token_ids)
-                if r.HasField("usage"):
-                    usage = r.usage
-            return tokens, usage
-        generate(ids[0], 8)                                        # warm-up
+    with Services(drafter, log_dir / f"e2e-{drafter}", **options) as svc:
+        address = f"127.0.0.1:{svc.opts.port}"
+        grpc_generate(address, ids[0], 8)                          # warm-up
         for prompt in ids:
             t0 = time.perf_counter()
-            tokens, usage = generate(prompt, max_tokens)
+            tokens, usage = grpc_generate(address, prompt, max_tokens)
             runs.append({"tokens": len(tokens), "seconds": time.perf_counter() - t0,
                          "verify_steps": usage.verify_steps,
                          "mean_acceptance_length": 1 + usage.accepted_tokens / max(1, usage.draft_steps)})

@@ -115,35 +115,48 @@ class Stack:
             raise ValueError(f"--drafter {o.drafter!r}: allowed {list(DRAFTERS)}")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = o.model_dir or str(_prepare_default_model(o.dtype, o.quiet))
-        draft_args = self._draft_args() if o.drafter != "none" else []
+        self.children = []
+        draft_model = (o.draft_model or str(self._default_drafter())) if o.drafter == "dflash" else ""
         self._add("target", "services.target", "--model", self.model_dir, "--dtype", o.dtype,
                   "--port", o.target_port, "--host", o.host, "--metrics-port", o.target_metrics_port,
-                  *self._device_args(), *self._graph_args(draft_args), *o.target_args)
+                  *self._device_args(), *self._graph_args(draft_model), *o.target_args)
         if o.drafter != "none":
-            self._add("draft", "services.draft", *draft_args)
-        self._add("gateway", "gateway", "--target", f"{o.host}:{o.target_port}",
-                  "--draft", f"{o.host}:{o.draft_port}" if o.drafter != "none" else "",
-                  "--tokenizer", self.model_dir, "--port", o.port, "--http-port", o.http_port,
-                  "--host", o.host, "--block-size", o.block_size,
-                  *(("--wire", o.wire) if o.wire else ()), *o.gateway_args)
+            self._add("draft", "services.draft", *self._draft_args(draft_model))
+        self._add("gateway", "gateway", *self.gateway_args(o.port, o.http_port))
         return self.children
 
-    def _draft_args(self) -> list:
+    def gateway_args(self, port: int, http_port: int, *extra: str) -> list:
+        """A gateway's flags on this stack's target (and draft), listening on these ports."""
+        o = self.opts
+        return ["--target", f"{o.host}:{o.target_port}",
+                "--draft", f"{o.host}:{o.draft_port}" if o.drafter != "none" else "",
+                "--tokenizer", self.model_dir, "--port", port, "--http-port", http_port,
+                "--host", o.host, "--block-size", o.block_size,
+                *(("--wire", o.wire) if o.wire else ()), *o.gateway_args, *extra]
+
+    def add_gateway(self, name: str, port: int, http_port: int, *extra: str) -> Child:
+        """Starts one more gateway on the running target and draft (benchmarks: another wire);
+        it is stopped with the stack."""
+        self._add(name, "gateway", *self.gateway_args(port, http_port, *extra))
+        child = self.children[-1]
+        child.start()
+        return child
+
+    def _draft_args(self, draft_model: str) -> list:
         o = self.opts
         args = ["--drafter", o.drafter, "--target-model", self.model_dir, "--port", o.draft_port,
                 "--host", o.host, "--metrics-port", o.draft_metrics_port]
-        if o.drafter == "dflash":
-            args += ["--model", o.draft_model or str(self._default_drafter())]
+        if draft_model:
+            args += ["--model", draft_model]
         return args + ["--dtype", o.dtype, *self._device_args(), *o.draft_args]
 
-    def _graph_args(self, draft_args: list) -> list[str]:
+    def _graph_args(self, draft_model: str) -> list[str]:
         """A DFlash drafter reads the features of its target layers at every verify: the target
         captures its CUDA graphs with those layers too (else those verifies run eagerly)."""
-        if self.opts.drafter != "dflash" or "--graph-capture-layers" in self.opts.target_args:
+        if not draft_model or "--graph-capture-layers" in self.opts.target_args:
             return []
         from runtime.models.dflash import DFlashConfig
-        model = draft_args[draft_args.index("--model") + 1]
-        taps = DFlashConfig.from_dir(model).target_layer_ids
+        taps = DFlashConfig.from_dir(draft_model).target_layer_ids
         return ["--graph-capture-layers", ",".join(map(str, taps))]
 
     def _device_args(self) -> list[str]:

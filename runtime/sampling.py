@@ -82,33 +82,24 @@ def greedy_accept_batch(drafts: torch.Tensor, argmax: torch.Tensor) -> torch.Ten
     return torch.stack([accepted.long(), bonus], dim=1)
 
 
-def greedy_accept(drafts: list[int], argmax: list[int]) -> Acceptance:
-    """drafts [B-1]; argmax [B] = target argmax at block positions 0..B-1."""
-    d = torch.tensor([drafts], dtype=torch.int64).reshape(1, len(drafts))
-    a, bonus = greedy_accept_batch(d, torch.tensor([argmax[: len(drafts) + 1]])).tolist()[0]
-    return Acceptance(a, drafts[:a] + [bonus])
-
-
 def rejection_accept_device(drafts: torch.Tensor, probs: torch.Tensor,
                             generator: torch.Generator | None) -> torch.Tensor:
     """One sequence's rejection sampling on its device, without a host sync.
     drafts int64 [B-1] on probs.device; probs [B, V] target probabilities at block positions
     0..B-1. Returns int64 [2]: (a, bonus). Draws: B-1 uniforms, then one multinomial."""
     n = drafts.shape[0]
-    dev = probs.device
-    if n:
-        p_draft = probs[:n].gather(1, drafts[:, None])[:, 0]
-        u = torch.rand(n, generator=generator, device=dev)
-        rejected = u >= p_draft
-        first = rejected.to(torch.int32).argmax()               # first True (0 when none)
-        a = torch.where(rejected.any(), first.long(), torch.tensor(n, device=dev))
-    else:
-        a = torch.zeros((), dtype=torch.int64, device=dev)
+    if n == 0:
+        bonus = torch.multinomial(probs[0], 1, generator=generator)[0]
+        return torch.stack([torch.zeros_like(bonus), bonus])
+    p_draft = probs[:n].gather(1, drafts[:, None])[:, 0]
+    u = torch.rand(n, generator=generator, device=probs.device)
+    rejected = u >= p_draft
+    a = torch.where(rejected.any(), rejected.to(torch.int32).argmax().long(), n)  # first True
     row = probs.index_select(0, a.view(1))[0]                   # [V]
     # residual: p with the rejected draft removed, renormalised (when a draft was rejected)
-    rejected_token = torch.cat([drafts, drafts.new_full((1,), -1)])[a]
-    removed = (torch.arange(row.shape[0], device=dev) == rejected_token) & (a < n)
-    residual = row.masked_fill(removed, 0.0)
+    token = drafts[a.clamp(max=n - 1)].view(1)
+    kept = row.gather(0, token)
+    residual = row.scatter(0, token, torch.where(a < n, torch.zeros_like(kept), kept))
     total = residual.sum()
     row = torch.where(total > 0, residual / total.clamp_min(1e-30), row)
     bonus = torch.multinomial(row, 1, generator=generator)[0]

@@ -21,6 +21,7 @@ from support.reliability import (
     TARGET_FLAGS,
     Streams,
     gauge,
+    report,
     request,
     sigterm,
     start_stack,
@@ -44,10 +45,6 @@ def logs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, smollm2_dir):
     return tiny_hybrid(tmp_path_factory, smollm2_dir)
-
-
-def report(name: str, **figures) -> None:
-    print(f"\nRELIABILITY {name} " + " ".join(f"{k}={v}" for k, v in figures.items()))
 
 
 def undisturbed(st, prompts: list[str]) -> list[list[int]]:

@@ -21,6 +21,7 @@ from support.reliability import (
     PROMPTS,
     Streams,
     gauge,
+    report,
     request,
     rpc_count,
     start_stack,
@@ -41,10 +42,6 @@ def logs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, smollm2_dir):
     return tiny_hybrid(tmp_path_factory, smollm2_dir)
-
-
-def report(name: str, **figures) -> None:
-    print(f"\nRELIABILITY {name} " + " ".join(f"{k}={v}" for k, v in figures.items()))
 
 
 def gateway_load(st) -> tuple[float, float]:

@@ -23,6 +23,7 @@ from support.reliability import (
     Streams,
     gauge,
     kill9,
+    report,
     request,
     restart,
     rpc_count,
@@ -66,10 +67,6 @@ def reference(model, logs) -> list[list[int]]:
     outputs = [r.tokens for r in results]
     assert len({tuple(o) for o in outputs}) == len(PROMPTS)      # distinct: a mix-up would show
     return outputs
-
-
-def report(name: str, **figures) -> None:
-    print(f"\nRELIABILITY {name} " + " ".join(f"{k}={v}" for k, v in figures.items()))
 
 
 def recovered_sequences(gateway_log: str, code: str) -> set[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
-from support.reliability import TARGET_FLAGS, request, start_stack, tiny_hybrid
+from support.reliability import TARGET_FLAGS, report, request, start_stack, tiny_hybrid
 
 from dflash.v1 import gateway_pb2, target_pb2, target_pb2_grpc
 
@@ -38,10 +38,6 @@ def client(stack):
     with httpx.Client(base_url=stack.gateway.http_url, headers=AUTH, timeout=60) as c:
         c.model = c.get("/v1/models").json()["data"][0]["id"]
         yield c
-
-
-def report(name: str, **figures) -> None:
-    print(f"\nRELIABILITY {name} " + " ".join(f"{k}={v}" for k, v in figures.items()))
 
 
 def still_serving(client) -> None:

@@ -20,6 +20,7 @@ from support.reliability import (
     BLOCK,
     TARGET_FLAGS,
     make_certs,
+    report,
     request,
     tiny_hybrid,
     tls_health_status,
@@ -104,10 +105,6 @@ def gateway(upstreams, model, logs, certs, tmp_path_factory):
     wait_serving_tls(gw, grpc.ssl_channel_credentials(certs.read("ca.crt")))
     yield gw
     gw.stop()
-
-
-def report(name: str, **figures) -> None:
-    print(f"\nRELIABILITY {name} " + " ".join(f"{k}={v}" for k, v in figures.items()))
 
 
 def capabilities(address: str, stub_cls, creds: grpc.ChannelCredentials | None):

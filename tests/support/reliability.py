@@ -51,6 +51,11 @@ PROMPTS = ["The cat sat on the mat. The dog sat on the log.",
 
 
 # -- processes --------------------------------------------------------------------------------
+def report(name: str, **figures) -> None:
+    """One greppable line of figures per reliability/security test (pytest -s shows them)."""
+    print(f"\nRELIABILITY {name} " + " ".join(f"{k}={v}" for k, v in figures.items()))
+
+
 def restart(p: ServiceProcess, log_dir: Path) -> ServiceProcess:
     """A new process with the same module, arguments and port (the old one must be gone)."""
     log_dir.mkdir(parents=True, exist_ok=True)
