@@ -15,17 +15,38 @@ from runtime.models.dflash import DFlashDraftModel, TargetHead
 
 
 def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block: int, mask_id: int,
-                 lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 lengths: torch.Tensor, greedy: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [S, L], anchors [S, nb] -> block ids [S, nb, B], positions [S, nb, B], labels
-    [S, nb, B-1] (-100 where the position is past the sequence's end)."""
+    [S, nb, B-1] (-100 where the position is past the sequence's end).
+
+    Labels are the sequence's own tokens ids[p+k], or with `greedy` ([S, L], the target's argmax
+    after each position) the target's greedy chain from the anchor: label k = greedy[p+k-1],
+    kept only while the sequence's tokens p+1..p+k-1 are that chain (-100 after it leaves).
+    For a greedy answer both are the same; for a sampled one the chain labels are what a greedy
+    draft must propose to be accepted (the drafter drafts argmax tokens at any temperature)."""
     offs = torch.arange(block, device=ids.device)
     pos = anchors[..., None] + offs                                   # [S, nb, B]
     block_ids = torch.full_like(pos, mask_id)
     block_ids[..., 0] = ids.gather(1, anchors)
     label_pos = pos[..., 1:]
     valid = label_pos < lengths[:, None, None]
-    labels = ids.gather(1, label_pos.clamp(max=ids.shape[1] - 1).flatten(1)).view_as(label_pos)
+    last = ids.shape[1] - 1
+    if greedy is None:
+        labels = _gather(ids, label_pos.clamp(max=last))
+    else:
+        labels = _gather(greedy, (label_pos - 1).clamp(max=last))
+        on_chain = torch.ones_like(ids, dtype=torch.bool)             # [S, L]: ids[t] == greedy[t-1]
+        on_chain[:, 1:] = ids[:, 1:] == greedy[:, :-1]
+        agree = _gather(on_chain, label_pos.clamp(max=last))         # token p+k on the chain
+        before = torch.cat([torch.ones_like(agree[..., :1]), agree[..., :-1]], dim=-1)
+        valid &= before.int().cumprod(-1).bool()                     # p+1..p+k-1 all on it
     return block_ids, pos, labels.masked_fill(~valid, -100)
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [S, L], index [S, ...] -> x[s, index[s, ...]]."""
+    return x.gather(1, index.flatten(1)).view_as(index)
 
 
 def attention_mask(anchors: torch.Tensor, ctx_len: int, block: int, causal: bool,

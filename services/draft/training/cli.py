@@ -5,7 +5,6 @@ Generated answers are cached in --work DIR (reused when present), so training ca
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import random
@@ -15,7 +14,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from services.draft.training.generate import Example, generate, load_examples, save_examples
+from services.draft.training.generate import (
+    Example,
+    chat_prompt_ids,
+    generate,
+    load_examples,
+    save_examples,
+)
 
 log = logging.getLogger("dflash.train")
 
@@ -38,49 +43,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--sampled-temperature", type=float, default=0.7,
-                   help="second answer per prompt sampled at this temperature (0 = greedy only)")
-    p.add_argument("--concurrency", type=int, default=512)
+                   help="more answers per prompt sampled at this temperature (0 = greedy only)")
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="sampled answers per training prompt, besides the greedy one")
+    p.add_argument("--labels", choices=("greedy", "data"), default="greedy",
+                   help="train on the target's greedy chain from each anchor (default) or on "
+                        "the answer's own tokens")
+    p.add_argument("--concurrency", type=int, default=512, help="sequences per generation wave")
     p.add_argument("--limit-prompts", type=int, default=0, help="use only N training prompts")
     p.add_argument("--limit-eval", type=int, default=0, help="use only N prompts per held-out split")
     p.add_argument("--eval-sequences", type=int, default=128)
+    p.add_argument("--eval-every", type=int, default=250, help="held-out tau every N steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generate-only", action="store_true")
 
 
-def answers(args, split: str, temperature: float, prompts: list, work: Path) -> list[Example]:
-    path = work / f"{split}_t{temperature}.jsonl"
+def answers(args, split: str, temperature: float, prompts: list, work: Path, sample: int = 0
+            ) -> list[Example]:
+    """The target's answers to `prompts`, cached in WORK/{split}_t{T}[_s{sample}].jsonl."""
+    suffix = f"_s{sample}" if sample else ""
+    path = work / f"{split}_t{temperature}{suffix}.jsonl"
     if path.is_file():
         return load_examples(path)
-    examples = asyncio.run(_generate(args, prompts, temperature))
+    examples = _generate(args, prompts, temperature, args.seed + 7919 * sample)
     save_examples(examples, path)
     return examples
 
 
-async def _generate(args, prompts: list, temperature: float) -> list[Example]:
+def _generate(args, prompts: list, temperature: float, seed: int) -> list[Example]:
+    import torch
+
     from runtime.tokenizer import ChatTokenizer
-    from services.target.config import TargetConfig
-    from services.target.engine import TargetEngine
-    from services.target.worker import TargetWorker
+    from services.draft.training.target_runner import TargetRunner
     backend = args.attention_backend or ("triton" if args.device.startswith("cuda") else "torch")
-    worker = TargetWorker(TargetConfig(
-        model_dir=args.target, device=args.device, dtype=args.dtype, attention_backend=backend,
-        kv_budget_bytes=24 << 30 if args.device.startswith("cuda") else 1 << 30,
-        token_budget=max(4096, args.concurrency), max_block_size=16, lease_seconds=3600))
-    worker.alloc_memory_pools()
-    worker.init_attention_backends()
-    worker.mark_ready()
-    engine = TargetEngine(worker)
-    engine.start()
-    try:
-        t0 = time.monotonic()
-        out = await generate(engine, ChatTokenizer(args.target), prompts, temperature,
-                             args.max_new_tokens, args.seed, args.concurrency)
-        n = sum(len(e.response_ids) for e in out)
-        log.info("generated %d answers, %d tokens in %.0f s (T=%s)", len(out), n,
-                 time.monotonic() - t0, temperature)
-        return out
-    finally:
-        engine.stop()
+    tok = ChatTokenizer(args.target)
+    longest = max(len(chat_prompt_ids(tok, p.text)) for p in prompts)
+    runner = TargetRunner(args.target, args.concurrency * (longest + args.max_new_tokens),
+                          getattr(torch, args.dtype), args.device, backend)
+    t0 = time.monotonic()
+    out = generate(runner, tok, prompts, temperature, args.max_new_tokens, seed,
+                   args.concurrency)
+    n = sum(len(e.response_ids) for e in out)
+    log.info("generated %d answers, %d tokens in %.0f s (T=%s)", len(out), n,
+             time.monotonic() - t0, temperature)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     held = {s: answers(args, s, 0.0, p, work) for s, p in eval_sets.items()}
     examples = answers(args, "train", 0.0, train_prompts, work)
     if args.sampled_temperature > 0:
-        examples += answers(args, "train", args.sampled_temperature, train_prompts, work)
+        for k in range(args.samples_per_prompt):
+            examples += answers(args, "train", args.sampled_temperature, train_prompts, work, k)
     if args.generate_only:
         return 0
     cfg = TrainConfig(target_dir=args.target, out_dir=str(out), num_layers=args.layers,
@@ -112,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
                       batch_sequences=args.batch_sequences,
                       blocks_per_sequence=args.blocks_per_sequence, lr=args.lr,
                       eval_sequences=min(args.eval_sequences, 64), seed=args.seed,
+                      greedy_labels=args.labels == "greedy", eval_every=args.eval_every,
                       device=args.device,
                       feature_backend="triton" if args.device.startswith("cuda") else "torch")
     path, summary = train(cfg, examples, held["eval_in"])

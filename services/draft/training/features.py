@@ -1,50 +1,44 @@
-"""Step 2 of training: the target's tapped-layer features for whole sequences, computed on the
-fly with the project's own model code (frozen target, one batched forward)."""
+"""Step 2 of training: the target's tapped-layer features for whole sequences, and its greedy
+next token at every position, computed on the fly (frozen target, one batched forward)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
-from runtime.attention.metadata import AttentionMetadata, SeqSlice
-from runtime.attention.registry import backend_class
-from runtime.kv_cache import PagedKVCache, PageTable
-from runtime.models.forward import ForwardBatch
-from runtime.models.registry import load_model
+from runtime.attention.metadata import SeqSlice
+from services.draft.training.target_runner import TargetRunner
+
+
+@dataclass
+class SequenceFeatures:
+    feats: torch.Tensor        # [S, Lmax, K*H]; rows past a sequence's end are zero
+    greedy: torch.Tensor       # int64 [S, Lmax]: the target's argmax token after position t
 
 
 class FeatureExtractor:
     def __init__(self, target_dir: str, layers: tuple[int, ...], max_tokens: int,
-                 dtype: torch.dtype, device: str, backend: str = "torch", page_size: int = 16
-                 ) -> None:
-        self.model = load_model(target_dir, dtype, device)
-        cfg = self.model.cfg
+                 dtype: torch.dtype, device: str, backend: str = "torch") -> None:
+        self.runner = TargetRunner(target_dir, max_tokens, dtype, device, backend)
         self.layers = layers
-        self.device = torch.device(device)
-        pages = max_tokens // page_size + 64
-        self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size,
-                                  pages, dtype, device)
-        self.backend = backend_class(backend)(self.cache, cfg.num_heads, cfg.num_kv_heads,
-                                              cfg.head_dim, cfg.head_dim ** -0.5)
 
     @torch.inference_mode()
-    def __call__(self, seqs: list[list[int]]) -> torch.Tensor:
-        """seqs of token ids -> features [S, Lmax, K*H] (rows past a sequence's end are zero)."""
-        tables = [PageTable() for _ in seqs]
+    def __call__(self, seqs: list[list[int]]) -> SequenceFeatures:
+        runner = self.runner
+        tables = runner.tables([len(s) for s in seqs])
         try:
-            for t, ids in zip(tables, seqs):
-                self.cache.ensure(t, len(ids))
-            meta = AttentionMetadata.build([SeqSlice(t, 0, len(s)) for t, s in zip(tables, seqs)],
-                                           self.cache, causal=True, device=self.device)
-            self.backend.prepare(meta)
-            ids = torch.tensor([i for s in seqs for i in s], device=self.device)
-            pos = torch.cat([torch.arange(len(s), device=self.device) for s in seqs])
-            out = self.model(ids, pos, ForwardBatch(self.backend, self.layers))
+            ids = torch.tensor([i for s in seqs for i in s], device=runner.device)
+            out = runner.forward([SeqSlice(t, 0, len(s)) for t, s in zip(tables, seqs)], ids,
+                                 self.layers)
         finally:
-            for t in tables:
-                self.cache.release(t)
+            runner.release(tables)
+        greedy = runner.greedy(out.hidden)
         lmax = max(len(s) for s in seqs)
         feats = out.captured.new_zeros(len(seqs), lmax, out.captured.shape[-1])
+        nxt = torch.zeros(len(seqs), lmax, dtype=torch.long, device=runner.device)
         offset = 0
         for i, s in enumerate(seqs):
             feats[i, : len(s)] = out.captured[offset: offset + len(s)]
+            nxt[i, : len(s)] = greedy[offset: offset + len(s)]
             offset += len(s)
-        return feats
+        return SequenceFeatures(feats, nxt)

@@ -1,8 +1,10 @@
-"""Step 1 of training: the target answers the training prompts itself (greedy and sampled),
-through the project's own target engine - many sequences batched per forward."""
+"""Step 1 of training: the target answers the training prompts itself (greedy and sampled) with
+the project's own model code, paged KV cache and attention backend (`TargetRunner`), in waves:
+a wave of up to `concurrency` prompts is prefilled in one forward, then decoded one token per
+sequence per forward until each sequence stops (EOS or max_new); finished sequences leave the
+batch. Sampling happens on the device from one seeded generator per wave."""
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -11,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from runtime.sampling import SamplingConfig
+from runtime.attention.metadata import SeqSlice
 from runtime.tokenizer import ChatTokenizer
-from services.target.engine import PrefillCall, TargetEngine
+from services.draft.training.target_runner import TargetRunner
 
 log = logging.getLogger("dflash.train.generate")
 
@@ -38,37 +40,68 @@ def chat_prompt_ids(tok: ChatTokenizer, text: str) -> list[int]:
     return tok.encode(rendered)
 
 
-async def _answer(engine: TargetEngine, seq_id: str, prompt: list[int], sampling: SamplingConfig,
-                  max_new: int, eos: set[int]) -> list[int]:
-    """Autoregressive decoding through the engine (Verify of the anchor alone)."""
-    first = await engine.prefill(PrefillCall(seq_id, prompt, sampling, (), torch.bfloat16))
-    out = [first.next_token]
-    while out[-1] not in eos and len(out) < max_new:
-        out.extend((await engine.verify(seq_id, [out[-1]])).committed)
-    await engine.release(seq_id)
-    return out
+def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+    """logits fp32 [N, V] -> int64 [N]: argmax at temperature 0, else a draw from
+    softmax(logits / T)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(1)
 
 
-async def generate(engine: TargetEngine, tok: ChatTokenizer, prompts: list, temperature: float,
-                   max_new: int, seed: int, concurrency: int) -> list[Example]:
-    """prompts: records with .id, .category, .text. Keeps `concurrency` sequences in flight."""
-    eos = set(engine.worker.facts.eos_token_ids)
-    sem = asyncio.Semaphore(concurrency)
-    done = 0
-    t0 = time.monotonic()
+@torch.inference_mode()
+def answer_wave(runner: TargetRunner, prompts: list[list[int]], temperature: float,
+                max_new: int, seed: int) -> list[list[int]]:
+    """Responses (each ending at its EOS, or max_new tokens long) to one wave of prompts."""
+    eos = set(runner.eos_token_ids)
+    gen = torch.Generator(device=runner.device)
+    gen.manual_seed(seed)
+    tables = runner.tables([len(p) + max_new for p in prompts])
+    try:
+        flat = torch.tensor([i for p in prompts for i in p], device=runner.device)
+        out = runner.forward([SeqSlice(t, 0, len(p)) for t, p in zip(tables, prompts)], flat)
+        last = torch.tensor([len(p) for p in prompts], device=runner.device).cumsum(0) - 1
+        nxt = pick(runner.model.compute_logits(out.hidden[last]), temperature, gen)
+        responses: list[list[int]] = [[] for _ in prompts]
+        active = list(range(len(prompts)))
+        while active:
+            toks = nxt.tolist()
+            keep = []                                  # (row in nxt, sequence) still going
+            for row, i in enumerate(active):
+                responses[i].append(toks[row])
+                if toks[row] not in eos and len(responses[i]) < max_new:
+                    keep.append((row, i))
+            if not keep:
+                break
+            rows = torch.tensor([r for r, _ in keep], device=runner.device)
+            active = [i for _, i in keep]
+            slices = [SeqSlice(tables[i], len(prompts[i]) + len(responses[i]) - 1, 1)
+                      for i in active]
+            out = runner.forward(slices, nxt[rows])
+            nxt = pick(runner.model.compute_logits(out.hidden), temperature, gen)
+        return responses
+    finally:
+        runner.release(tables)
 
-    async def one(i: int, rec) -> Example:
-        nonlocal done
-        async with sem:
-            ids = chat_prompt_ids(tok, rec.text)
-            sampling = SamplingConfig(temperature=temperature, seed=seed + i)
-            resp = await _answer(engine, f"gen-{temperature}-{i}", ids, sampling, max_new, eos)
-            done += 1
-            if done % 500 == 0:
-                log.info("generated %d/%d (%.0f s)", done, len(prompts), time.monotonic() - t0)
-            return Example(rec.id, rec.category, ids, resp, temperature)
 
-    return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(prompts))))
+def generate(runner: TargetRunner, tok: ChatTokenizer, prompts: list, temperature: float,
+             max_new: int, seed: int, concurrency: int) -> list[Example]:
+    """prompts: records with .id, .category, .text -> Examples in the same order. Waves hold
+    prompts of similar length (sorted), `concurrency` at most."""
+    ids = [chat_prompt_ids(tok, rec.text) for rec in prompts]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    responses: dict[int, list[int]] = {}
+    t0, tokens = time.monotonic(), 0
+    for w, start in enumerate(range(0, len(order), concurrency)):
+        wave = order[start: start + concurrency]
+        for i, resp in zip(wave, answer_wave(runner, [ids[i] for i in wave], temperature,
+                                             max_new, seed * 100_003 + w)):
+            responses[i] = resp
+            tokens += len(resp)
+        log.info("generated %d/%d answers, %d tokens, %.0f tokens/s (T=%s)", len(responses),
+                 len(ids), tokens, tokens / max(1e-9, time.monotonic() - t0), temperature)
+    return [Example(rec.id, rec.category, ids[i], responses[i], temperature)
+            for i, rec in enumerate(prompts)]
 
 
 def save_examples(examples: list[Example], path: Path) -> None:

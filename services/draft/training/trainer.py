@@ -57,6 +57,7 @@ class TrainConfig:
     eval_every: int = 250
     eval_sequences: int = 64
     seed: int = 0
+    greedy_labels: bool = True                 # labels: the target's greedy chain (see blocks.py)
     device: str = "cuda"
     feature_backend: str = "triton"
     extra: dict = field(default_factory=dict)
@@ -156,7 +157,7 @@ def evaluate(draft, head, extractor, batcher, examples: list[Example], cfg: Trai
     for i in range(0, len(examples), cfg.batch_sequences):
         chunk = examples[i: i + cfg.batch_sequences]
         ids, plen, lens = batcher.tensors(chunk, cfg.device)
-        feats = extractor([e.ids[: cfg.max_len] for e in chunk])
+        feats = extractor([e.ids[: cfg.max_len] for e in chunk]).feats
         with torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16):
             total.merge(simulate(draft, head, feats, ids, plen, lens, cfg.block_size))
     draft.train()
@@ -192,11 +193,12 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
             group["lr"] = lr_at(step, cfg)
         batch = batcher.sample(cfg.batch_sequences)
         ids, plen, lens = batcher.tensors(batch, cfg.device)
-        feats = extractor([e.ids[: cfg.max_len] for e in batch])
+        target = extractor([e.ids[: cfg.max_len] for e in batch])
         anchors = batcher.anchors(plen, lens)
-        bids, bpos, labels = block_inputs(ids, anchors, cfg.block_size, cfg.mask_token_id, lens)
+        bids, bpos, labels = block_inputs(ids, anchors, cfg.block_size, cfg.mask_token_id, lens,
+                                          target.greedy if cfg.greedy_labels else None)
         with torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16):
-            hidden = draft_hidden(draft, head, feats, bids, bpos)
+            hidden = draft_hidden(draft, head, target.feats, bids, bpos)
             loss, acc = block_loss(hidden, labels, head, weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,0 +1,51 @@
+# On the H200, from the repository root, after `source scripts/h200/env.sh` and
+# scripts/h200/assemble_smollm2.sh: the phases of training the shipped SmolLM2 drafter, each
+# within one device call (10 min). Work files stay in out/ (ignored, kept while the machine is
+# warm); results go to $OUT.
+#   bash scripts/h200/train_drafter.sh gen   [SAMPLES] [BUDGET_S]  answers + step-time probe
+#   bash scripts/h200/train_drafter.sh train STEPS [SAMPLES] [EXTRA...]  train + held-out tau
+#   bash scripts/h200/train_drafter.sh eval                           eval-draft + e2e bench
+set -u
+PHASE=$1; shift
+T=${TARGET:-$DFLASH_HOME/models/smollm2-135m-instruct/bfloat16}
+DEVICE=${DEVICE:-cuda}
+W=out/work
+mkdir -p "$W" "$OUT"
+export DFLASH_TORCH_LAYER_OPS=1        # eager forwards: torch ops launch faster than Triton's
+COMMON=(--target "$T" --work "$W" --device "$DEVICE" --mask-token-id 16 --sampled-temperature 0.7
+        --concurrency 1024 --max-new-tokens 384 ${EXTRA:-})   # EXTRA: e.g. a CPU dry run's limits
+case $PHASE in
+gen)
+  SAMPLES=${1:-8}; BUDGET=${2:-330}
+  [ -f "$W/train_t0.0.jsonl" ] || tar xzf data/train-answers/smollm2-answers-greedy.tgz -C out
+  start=$(date +%s); last=0
+  for k in $(seq 1 "$SAMPLES"); do
+    now=$(date +%s)
+    if [ $((now - start + last)) -gt "$BUDGET" ]; then echo "budget: stop before sample $k"; break; fi
+    python3 -m dflash.cli train-draft "${COMMON[@]}" --out out/unused --samples-per-prompt "$k" \
+      --generate-only 2>&1 | grep -E "generated [0-9]+ answers,|Error|error" | tail -2
+    last=$(( $(date +%s) - now )); echo "sample set $k: ${last}s"
+  done
+  ls -la "$W"; tar czf "$OUT/answers.tgz" -C out work
+  for ops in 1 0; do
+    DFLASH_TORCH_LAYER_OPS=$ops python3 -m bench.train_step --target "$T" --work "$W" --device "$DEVICE" --steps ${PROBE_STEPS:-20} \
+      --batch-sequences ${PROBE_BATCH:-32} --blocks-per-sequence 32 2>/dev/null | sed "s/^/torch_ops=$ops /"
+  done
+  for i in 1 2; do
+    python3 -m bench.train_step --target "$T" --work "$W" --device "$DEVICE" --steps ${PROBE_STEPS:-20} --batch-sequences ${PROBE_BATCH:-32} \
+      --blocks-per-sequence 32 2>/dev/null | sed "s/^/parallel$i /" &
+  done
+  wait ;;
+train)
+  STEPS=$1; SAMPLES=${2:-4}; shift; shift || true
+  python3 -m dflash.cli train-draft "${COMMON[@]}" --out out/drafter --samples-per-prompt "$SAMPLES" \
+    --layers 3 --taps 5 --lr 1e-3 --steps "$STEPS" --batch-sequences 32 \
+    --blocks-per-sequence 32 --eval-sequences 128 --eval-every 1000 "$@" 2>&1 | tr '\r' '\n' \
+    | grep -vE "^\[#*\.+\]" | tail -25
+  cp -r out/drafter "$OUT/" ;;
+eval)
+  cp out/drafter/* models/smollm2-135m-instruct-dflash/
+  python3 -m dflash.cli eval-draft --target "$T" --device cuda --dtype bfloat16 --per-split 48 \
+    --max-new-tokens 128 --concurrency 16 --out "$OUT/drafter_eval_h200.json" 2>&1 | tail -40
+  python3 -m bench.smollm2_gpu --out "$OUT/smollm2_gpu.json" 2>&1 | tail -12 ;;
+esac

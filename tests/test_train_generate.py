@@ -1,0 +1,98 @@
+"""Training-time use of the target (`TargetRunner`): answer generation in waves is exactly the
+target's greedy output (against transformers) and samples the target's distribution; features
+come with the target's greedy next token; labels follow the target's greedy chain."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.tokenizer import ChatTokenizer
+from services.draft.training.blocks import block_inputs
+from services.draft.training.features import FeatureExtractor
+from services.draft.training.generate import answer_wave, chat_prompt_ids
+from services.draft.training.target_runner import TargetRunner
+
+PROMPTS = ["Hi", "Explain why the sky is blue in two sentences please.", "List 3 fruits.",
+           "What is 2+2? Answer with a number only."]
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2_dir) -> TargetRunner:
+    return TargetRunner(str(smollm2_dir), 300 * 40, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir) -> list[list[int]]:
+    tok = ChatTokenizer(smollm2_dir)
+    return [chat_prompt_ids(tok, t) for t in PROMPTS]
+
+
+def test_greedy_wave_is_the_targets_own_output(runner, prompts, smollm2_reference):
+    out = answer_wave(runner, prompts, 0.0, 40, seed=0)
+    eos = set(runner.eos_token_ids)
+    for p, resp in zip(prompts, out):
+        assert resp == smollm2_reference(p, 40)[: len(resp)]
+        assert len(resp) == 40 or (resp[-1] in eos and not eos & set(resp[:-1]))
+    assert any(len(r) < 40 for r in out) and any(len(r) == 40 for r in out)
+    assert runner.cache.used_pages == 0                 # pages go back after the wave
+
+
+def test_sampled_wave_is_seeded_and_draws_from_the_targets_distribution(runner, prompts):
+    a = answer_wave(runner, prompts, 0.7, 12, seed=1)
+    assert a == answer_wave(runner, prompts, 0.7, 12, seed=1)
+    assert a != answer_wave(runner, prompts, 0.7, 12, seed=2)
+    # The first answer token of one prompt drawn 256 times vs softmax(logits / T).
+    p = prompts[1]
+    draws = [r[0] for r in answer_wave(runner, [p] * 256, 0.7, 1, seed=3)]
+    with torch.no_grad():
+        logits = runner.model.compute_logits(_last_hidden(runner, p))
+    probs = torch.softmax(logits / 0.7, -1)
+    seen = torch.bincount(torch.tensor(draws), minlength=probs.numel()).float() / len(draws)
+    tv = 0.5 * float((seen - probs).abs().sum())
+    assert tv < 0.15, tv                                # sampling noise at n=256 is ~0.05
+    greedy = set(answer_wave(runner, [p], 0.0, 1, seed=0)[0])
+    assert len(set(draws)) > 1 and greedy <= set(draws)
+
+
+def _last_hidden(runner: TargetRunner, prompt: list[int]) -> torch.Tensor:
+    from runtime.attention.metadata import SeqSlice
+    tables = runner.tables([len(prompt)])
+    try:
+        out = runner.forward([SeqSlice(tables[0], 0, len(prompt))], torch.tensor(prompt))
+    finally:
+        runner.release(tables)
+    return out.hidden[-1:]
+
+
+def test_features_come_with_the_targets_greedy_next_tokens(smollm2_dir, prompts):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    ext = FeatureExtractor(str(smollm2_dir), (1, 8), 1024, torch.float32, "cpu")
+    seqs = prompts[:2]
+    out = ext(seqs)
+    assert out.feats.shape == (2, max(map(len, seqs)), 2 * 576)
+    for i, s in enumerate(seqs):
+        with torch.no_grad():
+            ref = hf(torch.tensor([s]), output_hidden_states=True)
+        assert out.greedy[i, : len(s)].tolist() == ref.logits[0].argmax(-1).tolist()
+        torch.testing.assert_close(out.feats[i, : len(s), 576:], ref.hidden_states[9][0],
+                                   atol=1e-4, rtol=1e-4)
+        assert not out.feats[i, len(s):].any()
+
+
+def test_greedy_chain_labels_stop_where_the_sequence_leaves_the_chain():
+    # Sequence 0..9; the target's greedy after t is t+1 everywhere except after 4 (it says 99).
+    ids = torch.arange(10)[None]
+    greedy = (torch.arange(10) + 1)[None].clone()
+    greedy[0, 4] = 99
+    anchors = torch.tensor([[2, 6]])
+    bids, pos, labels = block_inputs(ids, anchors, 5, 16, torch.tensor([10]), greedy)
+    assert bids.tolist() == [[[2, 16, 16, 16, 16], [6, 16, 16, 16, 16]]]
+    # anchor 2: labels 3, 4 on the chain, then the greedy choice after 4 (99); token 5 is off
+    # the chain, so nothing after it is a greedy-chain label.
+    assert labels[0, 0].tolist() == [3, 4, 99, -100]
+    # anchor 6: labels 7, 8, 9, then past the end of the sequence.
+    assert labels[0, 1].tolist() == [7, 8, 9, -100]
+    # With the sequence's own tokens as labels, nothing is cut but the end.
+    _, _, own = block_inputs(ids, anchors, 5, 16, torch.tensor([10]))
+    assert own.tolist() == [[[3, 4, 5, 6], [7, 8, 9, -100]]]
