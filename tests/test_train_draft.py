@@ -1,6 +1,7 @@
 """`dflash train-draft` end to end on a tiny target (CPU): the target answers real prompts
-through the engine, a drafter is trained for a few steps (the loss goes down), exported in
-z-lab's format with a model card, and the draft service serves it."""
+(greedy and sampled, generated in waves), a drafter is trained for a few steps on the target's
+greedy-chain labels (the loss goes down), exported in z-lab's format with a model card, and the
+draft service serves it."""
 from __future__ import annotations
 
 import json
@@ -40,7 +41,8 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
            "--block-size", "8", "--steps", "60", "--batch-sequences", "4",
            "--blocks-per-sequence", "8", "--lr", "3e-2", "--max-new-tokens", "24",
            "--limit-prompts", "12", "--limit-eval", "3", "--eval-sequences", "3",
-           "--concurrency", "16", "--seed", "1", "--sampled-temperature", "0"]
+           "--concurrency", "16", "--seed", "1", "--sampled-temperature", "0.7",
+           "--samples-per-prompt", "2"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "training.json").read_text())
@@ -48,6 +50,11 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
     assert len(losses) >= 3
     assert losses[-1] < losses[0] - 1.0, losses          # it learns (ln V = 10.8 at the start)
     assert (out / "README.md").is_file() and summary["eval"]["eval_in"]["sequences"] == 3
+    # one greedy and two sampled answers per prompt, each set cached once in --work
+    assert summary["answers_by_temperature"] == {"0.0": 12, "0.7": 24}
+    assert summary["num_train_prompts"] == 12 and summary["config"]["greedy_labels"]
+    assert {p.name for p in (tmp_path / "work").glob("train_*.jsonl")} == {
+        "train_t0.0.jsonl", "train_t0.7.jsonl", "train_t0.7_s1.jsonl"}
     cfg = DFlashConfig.from_dir(out)
     assert cfg.block_size == 8 and cfg.mask_token_id == 16 and len(cfg.target_layer_ids) == 2
     draft = start_draft(tiny_chat_target, tmp_path, model_dir=out)

@@ -86,7 +86,7 @@ def test_greedy_chain_labels_stop_where_the_sequence_leaves_the_chain():
     greedy = (torch.arange(10) + 1)[None].clone()
     greedy[0, 4] = 99
     anchors = torch.tensor([[2, 6]])
-    bids, pos, labels = block_inputs(ids, anchors, 5, 16, torch.tensor([10]), greedy)
+    bids, _, labels = block_inputs(ids, anchors, 5, 16, torch.tensor([10]), greedy)
     assert bids.tolist() == [[[2, 16, 16, 16, 16], [6, 16, 16, 16, 16]]]
     # anchor 2: labels 3, 4 on the chain, then the greedy choice after 4 (99); token 5 is off
     # the chain, so nothing after it is a greedy-chain label.

@@ -33,27 +33,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", help="target dtype for generation/features")
     p.add_argument("--attention-backend", default="", help="default: triton on cuda, torch on cpu")
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=3)
     p.add_argument("--taps", type=int, default=5, help="target layers tapped for features")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mask-token-id", type=int, required=True)
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=6000)
     p.add_argument("--batch-sequences", type=int, default=32)
     p.add_argument("--blocks-per-sequence", type=int, default=32)
-    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--sampled-temperature", type=float, default=0.7,
                    help="more answers per prompt sampled at this temperature (0 = greedy only)")
-    p.add_argument("--samples-per-prompt", type=int, default=1,
+    p.add_argument("--samples-per-prompt", type=int, default=4,
                    help="sampled answers per training prompt, besides the greedy one")
     p.add_argument("--labels", choices=("greedy", "data"), default="greedy",
                    help="train on the target's greedy chain from each anchor (default) or on "
                         "the answer's own tokens")
-    p.add_argument("--concurrency", type=int, default=512, help="sequences per generation wave")
+    p.add_argument("--concurrency", type=int, default=1024, help="sequences per generation wave")
     p.add_argument("--limit-prompts", type=int, default=0, help="use only N training prompts")
     p.add_argument("--limit-eval", type=int, default=0, help="use only N prompts per held-out split")
     p.add_argument("--eval-sequences", type=int, default=128)
-    p.add_argument("--eval-every", type=int, default=250, help="held-out tau every N steps")
+    p.add_argument("--eval-every", type=int, default=2000, help="held-out tau every N steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generate-only", action="store_true")
 

@@ -59,8 +59,10 @@ def write_card(draft_dir: Path, summary: dict) -> None:
         "",
         f"- layers: {cfg['num_layers']}, block size: {cfg['block_size']}, tapped target layers: "
         f"{summary['target_layer_ids']}, mask token id: {cfg['mask_token_id']}",
-        f"- data: the target's own answers (greedy and T=0.7) to "
-        f"{summary['num_train_examples']} training prompts of `data/prompts/train.jsonl`",
+        f"- data: {summary['num_train_examples']} answers of the target itself to "
+        f"{summary.get('num_train_prompts', '?')} training prompts of `data/prompts/train.jsonl` "
+        f"(answers per temperature: {summary.get('answers_by_temperature', {})})",
+        f"- labels: {'the target greedy chain from each anchor' if cfg.get('greedy_labels', True) else 'the answer tokens'}",
         f"- recipe: random anchors in the answer, block [anchor, MASK x {cfg['block_size'] - 1}], "
         f"CE on positions 1..B-1 weighted exp(-(k-1)/{cfg['gamma']}); AdamW lr {cfg['lr']} "
         f"cosine, {cfg['steps']} steps x {cfg['batch_sequences']} sequences x "

@@ -217,9 +217,18 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
     summary = {"config": {k: v for k, v in asdict(cfg).items() if k != "extra"},
                "target_layer_ids": list(taps), "history": history,
                "train_seconds": round(time.monotonic() - t0, 1),
-               "num_train_examples": len(batcher.examples)}
+               "num_train_examples": len(batcher.examples),
+               "num_train_prompts": len({e.prompt_id for e in batcher.examples}),
+               "answers_by_temperature": _count_by_temperature(batcher.examples)}
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return out, summary
+
+
+def _count_by_temperature(examples: list[Example]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in examples:
+        out[str(e.temperature)] = out.get(str(e.temperature), 0) + 1
+    return out
 
 
 def _progress(step: int, total: int, loss: float, acc: torch.Tensor, gnorm: float,
