@@ -77,11 +77,12 @@ def _generate(args, prompts: list, temperature: float, seed: int) -> list[Exampl
     from services.draft.training.target_runner import TargetRunner
     backend = args.attention_backend or ("triton" if args.device.startswith("cuda") else "torch")
     tok = ChatTokenizer(args.target)
-    longest = max(len(chat_prompt_ids(tok, p.text)) for p in prompts)
+    ids = [chat_prompt_ids(tok, p.text) for p in prompts]
+    longest = max(len(i) for i in ids)
     runner = TargetRunner(args.target, args.concurrency * (longest + args.max_new_tokens),
                           getattr(torch, args.dtype), args.device, backend)
     t0 = time.monotonic()
-    out = generate(runner, tok, prompts, temperature, args.max_new_tokens, seed,
+    out = generate(runner, prompts, ids, temperature, args.max_new_tokens, seed,
                    args.concurrency)
     n = sum(len(e.response_ids) for e in out)
     log.info("generated %d answers, %d tokens in %.0f s (T=%s)", len(out), n,

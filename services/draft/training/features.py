@@ -12,8 +12,8 @@ from services.draft.training.target_runner import TargetRunner
 
 @dataclass
 class SequenceFeatures:
-    feats: torch.Tensor        # [S, Lmax, K*H]; rows past a sequence's end are zero
-    greedy: torch.Tensor       # int64 [S, Lmax]: the target's argmax token after position t
+    feats: torch.Tensor                # [S, Lmax, K*H]; rows past a sequence's end are zero
+    greedy: torch.Tensor | None        # int64 [S, Lmax]: the target's argmax after position t
 
 
 class FeatureExtractor:
@@ -23,7 +23,8 @@ class FeatureExtractor:
         self.layers = layers
 
     @torch.inference_mode()
-    def __call__(self, seqs: list[list[int]]) -> SequenceFeatures:
+    def __call__(self, seqs: list[list[int]], greedy: bool = True) -> SequenceFeatures:
+        """greedy=False skips the LM head (features only, e.g. for evaluation)."""
         runner = self.runner
         tables = runner.tables([len(s) for s in seqs])
         try:
@@ -32,13 +33,15 @@ class FeatureExtractor:
                                  self.layers)
         finally:
             runner.release(tables)
-        greedy = runner.greedy(out.hidden)
+        argmax = runner.greedy(out.hidden) if greedy else None
         lmax = max(len(s) for s in seqs)
         feats = out.captured.new_zeros(len(seqs), lmax, out.captured.shape[-1])
-        nxt = torch.zeros(len(seqs), lmax, dtype=torch.long, device=runner.device)
+        nxt = torch.zeros(len(seqs), lmax, dtype=torch.long, device=runner.device) \
+            if greedy else None
         offset = 0
         for i, s in enumerate(seqs):
             feats[i, : len(s)] = out.captured[offset: offset + len(s)]
-            nxt[i, : len(s)] = greedy[offset: offset + len(s)]
+            if nxt is not None:
+                nxt[i, : len(s)] = argmax[offset: offset + len(s)]
             offset += len(s)
         return SequenceFeatures(feats, nxt)

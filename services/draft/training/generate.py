@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from runtime.attention.metadata import SeqSlice
+from runtime.sampling import SamplingConfig, target_probs
 from runtime.tokenizer import ChatTokenizer
 from services.draft.training.target_runner import TargetRunner
 
@@ -41,11 +42,11 @@ def chat_prompt_ids(tok: ChatTokenizer, text: str) -> list[int]:
 
 
 def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
-    """logits fp32 [N, V] -> int64 [N]: argmax at temperature 0, else a draw from
-    softmax(logits / T)."""
+    """logits fp32 [N, V] -> int64 [N]: argmax at temperature 0, else a draw from the target's
+    sampling distribution at that temperature (runtime.sampling.target_probs)."""
     if temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
+    probs = target_probs(logits, SamplingConfig(temperature=temperature))
     return torch.multinomial(probs, 1, generator=gen).squeeze(1)
 
 
@@ -84,11 +85,11 @@ def answer_wave(runner: TargetRunner, prompts: list[list[int]], temperature: flo
         runner.release(tables)
 
 
-def generate(runner: TargetRunner, tok: ChatTokenizer, prompts: list, temperature: float,
+def generate(runner: TargetRunner, prompts: list, ids: list[list[int]], temperature: float,
              max_new: int, seed: int, concurrency: int) -> list[Example]:
-    """prompts: records with .id, .category, .text -> Examples in the same order. Waves hold
-    prompts of similar length (sorted), `concurrency` at most."""
-    ids = [chat_prompt_ids(tok, rec.text) for rec in prompts]
+    """prompts: records with .id, .category, .text; ids: their chat-formatted token ids
+    (chat_prompt_ids) -> Examples in the same order. Waves hold prompts of similar length
+    (sorted), `concurrency` at most."""
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     responses: dict[int, list[int]] = {}
     t0, tokens = time.monotonic(), 0

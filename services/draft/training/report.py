@@ -33,7 +33,7 @@ def evaluate_splits(cfg, draft_dir: Path, held: dict[str, list[Example]]) -> dic
             if not chunk:
                 continue
             ids, plen, lens = batch_tensors(chunk, cfg.max_len, cfg.device)
-            feats = extractor([e.ids[: cfg.max_len] for e in chunk]).feats
+            feats = extractor([e.ids[: cfg.max_len] for e in chunk], greedy=False).feats
             with torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16):
                 per_seq = simulate_each(draft, head, feats, ids, plen, lens, cfg.block_size)
             for e, st in zip(chunk, per_seq):

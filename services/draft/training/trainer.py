@@ -157,7 +157,7 @@ def evaluate(draft, head, extractor, batcher, examples: list[Example], cfg: Trai
     for i in range(0, len(examples), cfg.batch_sequences):
         chunk = examples[i: i + cfg.batch_sequences]
         ids, plen, lens = batcher.tensors(chunk, cfg.device)
-        feats = extractor([e.ids[: cfg.max_len] for e in chunk]).feats
+        feats = extractor([e.ids[: cfg.max_len] for e in chunk], greedy=False).feats
         with torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16):
             total.merge(simulate(draft, head, feats, ids, plen, lens, cfg.block_size))
     draft.train()
@@ -193,7 +193,7 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
             group["lr"] = lr_at(step, cfg)
         batch = batcher.sample(cfg.batch_sequences)
         ids, plen, lens = batcher.tensors(batch, cfg.device)
-        target = extractor([e.ids[: cfg.max_len] for e in batch])
+        target = extractor([e.ids[: cfg.max_len] for e in batch], greedy=cfg.greedy_labels)
         anchors = batcher.anchors(plen, lens)
         bids, bpos, labels = block_inputs(ids, anchors, cfg.block_size, cfg.mask_token_id, lens,
                                           target.greedy if cfg.greedy_labels else None)
