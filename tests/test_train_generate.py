@@ -8,7 +8,7 @@ import torch
 
 from runtime.tokenizer import ChatTokenizer
 from services.draft.training.blocks import block_inputs
-from services.draft.training.features import FeatureExtractor
+from services.draft.training.features import FeatureCache, FeatureExtractor
 from services.draft.training.generate import answer_wave, chat_prompt_ids
 from services.draft.training.target_runner import TargetRunner
 
@@ -78,6 +78,19 @@ def test_features_come_with_the_targets_greedy_next_tokens(smollm2_dir, prompts)
         torch.testing.assert_close(out.feats[i, : len(s), 576:], ref.hidden_states[9][0],
                                    atol=1e-4, rtol=1e-4)
         assert not out.feats[i, len(s):].any()
+
+
+def test_feature_cache_returns_what_the_extractor_computes(smollm2_dir, prompts):
+    ext = FeatureExtractor(str(smollm2_dir), (1, 8), 1024, torch.float32, "cpu")
+    cache = FeatureCache(ext, prompts, batch=3, greedy=True)     # two forwards, sorted by length
+    for pick in ([2, 0], [3], [1, 2, 3, 0]):
+        seqs = [prompts[i] for i in pick]
+        got, ref = cache(pick), ext(seqs)
+        assert got.feats.shape == ref.feats.shape and got.greedy.shape == ref.greedy.shape
+        torch.testing.assert_close(got.feats, ref.feats, atol=1e-4, rtol=1e-4)   # pads: zeros
+        assert got.greedy.tolist() == ref.greedy.tolist()
+    assert FeatureCache.nbytes(prompts, 1152, torch.bfloat16) == \
+        sum(map(len, prompts)) * 1152 * 2
 
 
 def test_greedy_chain_labels_stop_where_the_sequence_leaves_the_chain():

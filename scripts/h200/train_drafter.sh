@@ -2,9 +2,11 @@
 # scripts/h200/assemble_smollm2.sh: the phases of training the shipped SmolLM2 drafter, each
 # within one device call (10 min). Work files stay in out/ (ignored, kept while the machine is
 # warm); results go to $OUT.
-#   bash scripts/h200/train_drafter.sh gen   [SAMPLES] [BUDGET_S]  answers + step-time probe
+#   bash scripts/h200/train_drafter.sh gen   [SAMPLES] [BUDGET_S]  answers (+ step-time probe)
 #   bash scripts/h200/train_drafter.sh train STEPS [SAMPLES] [EXTRA...]  train + held-out tau
-#   bash scripts/h200/train_drafter.sh eval                           eval-draft + e2e bench
+#   bash scripts/h200/train_drafter.sh eval                           e2e bench (eval-draft: EVAL=1)
+# train: STOP=SECONDS pauses the run after that long (checkpoint in out/work); the same command
+# in the next call resumes it. CACHE=1 keeps every sequence's features in device memory.
 set -u
 PHASE=$1; shift
 T=${TARGET:-$DFLASH_HOME/models/smollm2-135m-instruct/bfloat16}
@@ -29,6 +31,7 @@ gen)
     last=$(( $(date +%s) - now )); echo "sample set $k: ${last}s"
   done
   ls -la "$W"; tar czf "$OUT/answers.tgz" -C out work
+  [ -n "${PROBE:-}" ] || exit 0
   for ops in 1 0; do
     DFLASH_TORCH_LAYER_OPS=$ops python3 -m bench.train_step --target "$T" --work "$W" --device "$DEVICE" --steps ${PROBE_STEPS:-20} \
       --batch-sequences ${PROBE_BATCH:-32} --blocks-per-sequence 32 2>/dev/null | sed "s/^/torch_ops=$ops /"
@@ -42,14 +45,19 @@ train)
   STEPS=$1; SAMPLES=${2:-4}; shift; shift || true
   python3 -m dflash.cli train-draft "${COMMON[@]}" --out out/drafter --samples-per-prompt "$SAMPLES" \
     --layers 3 --taps 5 --lr 1e-3 --steps "$STEPS" --batch-sequences 32 \
-    --blocks-per-sequence 32 --eval-sequences 128 --eval-every 1000 "$@" 2>&1 | tr '\r' '\n' \
+    --blocks-per-sequence 32 --eval-sequences 128 --eval-every ${EVAL_EVERY:-1000} \
+    --stop-after "${STOP:-0}" ${CACHE:+--cache-features} "$@" 2>&1 | tr '\r' '\n' \
     | grep -vE "^\[#*\.+\]" | tail -25
-  cp -r out/drafter "$OUT/" ;;
+  if [ -f out/drafter/training.json ]; then       # finished (a paused run exports nothing)
+    mkdir -p "$OUT/drafter"
+    cp out/drafter/*.json out/drafter/README.md "$OUT/drafter/"
+    split -b 12M out/drafter/model.safetensors "$OUT/drafter/model.safetensors.part."   # <= 16 MiB
+  fi ;;
 eval)
   cp out/drafter/* models/smollm2-135m-instruct-dflash/
-  timeout 250 python3 -m dflash.cli eval-draft --target "$T" --device cuda --dtype bfloat16 \
+  [ -n "${EVAL:-}" ] && timeout 250 python3 -m dflash.cli eval-draft --target "$T" --device cuda --dtype bfloat16 \
     --per-split 32 --max-new-tokens 128 --concurrency 16 --out "$OUT/drafter_eval_h200.json" \
     2>&1 | tail -30
-  timeout 280 python3 -m bench.smollm2_gpu --per-split 8 --max-tokens 128 \
+  timeout 280 python3 -m bench.smollm2_gpu --per-split 8 --max-tokens 128 ${BENCH_FLAGS:-} \
     --out "$OUT/smollm2_gpu.json" 2>&1 | tail -12 ;;
 esac

@@ -56,6 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=2000, help="held-out tau every N steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generate-only", action="store_true")
+    p.add_argument("--cache-features", action="store_true",
+                   help="compute every training sequence's features once and keep them in "
+                        "device memory (bf16: 2 x taps x hidden bytes per token) instead of "
+                        "running the target on every batch")
+    p.add_argument("--checkpoint", default="",
+                   help="resume from / save to this file (default: WORK/checkpoint.pt)")
+    p.add_argument("--stop-after", type=float, default=0.0, metavar="SECONDS",
+                   help="stop training after this long and save the checkpoint; the same "
+                        "command resumes it (for time-limited or preemptible machines)")
 
 
 def answers(args, split: str, temperature: float, prompts: list, work: Path, sample: int = 0
@@ -122,8 +131,16 @@ def run(args: argparse.Namespace) -> int:
                       eval_sequences=min(args.eval_sequences, 64), seed=args.seed,
                       greedy_labels=args.labels == "greedy", eval_every=args.eval_every,
                       device=args.device,
+                      checkpoint=args.checkpoint or str(work / "checkpoint.pt"),
+                      stop_after_seconds=args.stop_after, cache_features=args.cache_features,
                       feature_backend="triton" if args.device.startswith("cuda") else "torch")
-    path, summary = train(cfg, examples, held["eval_in"])
+    result = train(cfg, examples, held["eval_in"])
+    if not result.finished:
+        log.info("training paused at step %d of %d (%.0f s so far); run the same command again "
+                 "to continue from %s", result.state.step, cfg.steps, result.state.seconds,
+                 cfg.checkpoint)
+        return 0
+    path, summary = result.out, result.summary
     summary["eval"] = evaluate_splits(replace(cfg, eval_sequences=args.eval_sequences), path, held)
     summary["command"] = "dflash " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     (path / "training.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -45,3 +45,48 @@ class FeatureExtractor:
                 nxt[i, : len(s)] = argmax[offset: offset + len(s)]
             offset += len(s)
         return SequenceFeatures(feats, nxt)
+
+
+class FeatureCache:
+    """Every training sequence's features (and greedy chain) computed once, kept on the device:
+    the target is frozen, so each epoch would recompute the same tensors. Rows of all sequences
+    are packed into one [N+1, K*H] tensor (the last row is zeros, the padding)."""
+
+    def __init__(self, extractor: FeatureExtractor, seqs: list[list[int]], batch: int,
+                 greedy: bool) -> None:
+        lens = [len(s) for s in seqs]
+        self.offsets = [0]
+        for n in lens:
+            self.offsets.append(self.offsets[-1] + n)
+        self.lengths = lens
+        total = self.offsets[-1]
+        width = None
+        order = sorted(range(len(seqs)), key=lambda i: lens[i])   # similar lengths per forward
+        for j in range(0, len(order), batch):
+            chunk = order[j: j + batch]
+            out = extractor([seqs[i] for i in chunk], greedy=greedy)
+            if width is None:
+                width = out.feats.shape[-1]
+                self.feats = out.feats.new_zeros(total + 1, width)
+                self.greedy = torch.zeros(total + 1, dtype=torch.long,
+                                          device=out.feats.device) if greedy else None
+            for row, i in enumerate(chunk):
+                a, b = self.offsets[i], self.offsets[i + 1]
+                self.feats[a:b] = out.feats[row, : lens[i]]
+                if self.greedy is not None:
+                    self.greedy[a:b] = out.greedy[row, : lens[i]]
+
+    def __call__(self, indices: list[int]) -> SequenceFeatures:
+        """The features of sequences `indices`, padded as FeatureExtractor returns them."""
+        lmax = max(self.lengths[i] for i in indices)
+        pad = self.feats.shape[0] - 1
+        rows = torch.full((len(indices), lmax), pad, dtype=torch.long)
+        for r, i in enumerate(indices):
+            rows[r, : self.lengths[i]] = torch.arange(self.offsets[i], self.offsets[i + 1])
+        rows = rows.to(self.feats.device)
+        greedy = self.greedy[rows] if self.greedy is not None else None
+        return SequenceFeatures(self.feats[rows], greedy)
+
+    @staticmethod
+    def nbytes(seqs: list[list[int]], width: int, dtype: torch.dtype) -> int:
+        return sum(len(s) for s in seqs) * width * torch.finfo(dtype).bits // 8

@@ -29,7 +29,7 @@ from runtime.models.registry import build_empty
 from runtime.weights import read_tensors
 from services.draft.training.acceptance import AcceptanceStats, simulate
 from services.draft.training.blocks import block_inputs, block_loss, draft_hidden, position_weights
-from services.draft.training.features import FeatureExtractor
+from services.draft.training.features import FeatureCache, FeatureExtractor
 from services.draft.training.generate import Example
 
 log = logging.getLogger("dflash.train")
@@ -58,6 +58,9 @@ class TrainConfig:
     eval_sequences: int = 64
     seed: int = 0
     greedy_labels: bool = True                 # labels: the target's greedy chain (see blocks.py)
+    cache_features: bool = False               # compute all features once, keep them on device
+    checkpoint: str = ""                       # resume from / save to this file ("" = none)
+    stop_after_seconds: float = 0.0            # > 0: save the checkpoint and stop after this
     device: str = "cuda"
     feature_backend: str = "triton"
     extra: dict = field(default_factory=dict)
@@ -99,8 +102,9 @@ class Batcher:
         self.examples = [e for e in examples if len(e.response_ids) >= 2]
         self.cfg, self.rng = cfg, rng
 
-    def sample(self, n: int) -> list[Example]:
-        return self.rng.sample(self.examples, min(n, len(self.examples)))
+    def sample(self, n: int) -> list[int]:
+        """Indices into self.examples."""
+        return self.rng.sample(range(len(self.examples)), min(n, len(self.examples)))
 
     def tensors(self, batch: list[Example], device) -> tuple[torch.Tensor, ...]:
         return batch_tensors(batch, self.cfg.max_len, device)
@@ -143,6 +147,25 @@ def batch_tensors(batch: list[Example], max_len: int, device) -> tuple[torch.Ten
     return ids.to(device), plen.to(device), lens.to(device)
 
 
+def feature_cache(cfg: TrainConfig, extractor: FeatureExtractor, batcher: Batcher, width: int
+                  ) -> FeatureCache | None:
+    if not cfg.cache_features:
+        return None
+    seqs = [e.ids[: cfg.max_len] for e in batcher.examples]
+    need = FeatureCache.nbytes(seqs, width, torch.bfloat16)
+    if torch.device(cfg.device).type == "cuda":
+        free = torch.cuda.mem_get_info(torch.device(cfg.device))[0]
+        if need > 0.85 * free:
+            raise MemoryError(f"the feature cache needs {need / 2**30:.1f} GiB and "
+                              f"{free / 2**30:.1f} GiB of device memory is free; train without "
+                              "--cache-features or on fewer answers")
+    t0 = time.monotonic()
+    cache = FeatureCache(extractor, seqs, cfg.batch_sequences, cfg.greedy_labels)
+    log.info("feature cache: %d sequences, %.1f GiB, built in %.0f s", len(seqs),
+             need / 2**30, time.monotonic() - t0)
+    return cache
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -164,8 +187,68 @@ def evaluate(draft, head, extractor, batcher, examples: list[Example], cfg: Trai
     return total
 
 
+# TrainConfig fields that may differ between the segments of one checkpointed run.
+_SEGMENT_FIELDS = ("out_dir", "checkpoint", "stop_after_seconds", "eval_every", "eval_sequences",
+                   "extra")
+
+
+@dataclass
+class TrainState:
+    """Where a run stands: saved to `TrainConfig.checkpoint` when a segment stops early."""
+    step: int = 0
+    seconds: float = 0.0                        # training time of the earlier segments
+    history: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    finished: bool
+    state: TrainState
+    out: Path | None = None                     # the exported drafter, when finished
+    summary: dict | None = None
+
+
+def _run_key(cfg: TrainConfig) -> dict:
+    return {k: v for k, v in asdict(cfg).items() if k not in _SEGMENT_FIELDS}
+
+
+def save_checkpoint(cfg: TrainConfig, state: TrainState, draft, opt, rng: random.Random,
+                    num_examples: int) -> None:
+    path = Path(cfg.checkpoint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"run": _run_key(cfg), "num_examples": num_examples, "state": asdict(state),
+                "draft": draft.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate()},
+               tmp)
+    tmp.replace(path)                           # never a half-written checkpoint
+
+
+def load_checkpoint(cfg: TrainConfig, draft, opt, rng: random.Random,
+                    num_examples: int) -> TrainState:
+    """Restores draft, optimizer and data order from cfg.checkpoint (if it exists); a checkpoint
+    of a different run (another recipe or data) is refused rather than silently mixed in."""
+    path = Path(cfg.checkpoint) if cfg.checkpoint else None
+    if path is None or not path.is_file():
+        return TrainState()
+    ck = torch.load(path, map_location=cfg.device, weights_only=False)
+    mine = _run_key(cfg)
+    diff = sorted(k for k in set(mine) | set(ck["run"]) if mine.get(k) != ck["run"].get(k))
+    if diff or ck["num_examples"] != num_examples:
+        what = ", ".join(f"{k}: {ck['run'].get(k)!r} there, {mine.get(k)!r} here" for k in diff)
+        if ck["num_examples"] != num_examples:
+            what += f"{', ' if what else ''}training answers: {ck['num_examples']} there, {num_examples} here"
+        raise ValueError(f"checkpoint {path} belongs to another run ({what}); "
+                         "delete it or pass another --checkpoint")
+    draft.load_state_dict(ck["draft"])
+    opt.load_state_dict(ck["opt"])
+    rng.setstate(ck["rng"])
+    return TrainState(**ck["state"])
+
+
 def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[Example]
-          ) -> tuple[Path, dict]:
+          ) -> TrainResult:
+    """Trains to cfg.steps and exports - or, with cfg.stop_after_seconds, stops when that much
+    time has passed, saves cfg.checkpoint and returns unfinished; the same call resumes it."""
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     target_raw = read_config_json(cfg.target_dir)
@@ -180,20 +263,27 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
     extractor = FeatureExtractor(cfg.target_dir, taps, cfg.batch_sequences * cfg.max_len + 1024,
                                  torch.bfloat16, cfg.device, cfg.feature_backend)
     batcher = Batcher(train_examples, cfg, rng)
+    cache = feature_cache(cfg, extractor, batcher, len(taps) * dcfg.hidden_size)
     decay = [p for n, p in draft.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in draft.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr,
                             betas=(0.9, 0.95))
     weights = position_weights(cfg.block_size, cfg.gamma, cfg.device)
-    history: list[dict] = []
-    t0 = time.monotonic()
-    for step in range(cfg.steps):
+    state = load_checkpoint(cfg, draft, opt, rng, len(batcher.examples))
+    if state.step:
+        log.info("resuming from %s at step %d of %d", cfg.checkpoint, state.step, cfg.steps)
+    history = state.history
+    t0 = time.monotonic() - state.seconds
+    t_segment = time.monotonic()
+    for step in range(state.step, cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        batch = batcher.sample(cfg.batch_sequences)
+        picked = batcher.sample(cfg.batch_sequences)
+        batch = [batcher.examples[i] for i in picked]
         ids, plen, lens = batcher.tensors(batch, cfg.device)
-        target = extractor([e.ids[: cfg.max_len] for e in batch], greedy=cfg.greedy_labels)
+        target = cache(picked) if cache else \
+            extractor([e.ids[: cfg.max_len] for e in batch], greedy=cfg.greedy_labels)
         anchors = batcher.anchors(plen, lens)
         bids, bpos, labels = block_inputs(ids, anchors, cfg.block_size, cfg.mask_token_id, lens,
                                           target.greedy if cfg.greedy_labels else None)
@@ -213,6 +303,15 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
             st = evaluate(draft, head, extractor, batcher, eval_examples[: cfg.eval_sequences], cfg)
             history[-1]["eval_tau"] = round(st.tau, 3)
             log.info("step %d held-out tau %.3f", step + 1, st.tau)
+        if (cfg.stop_after_seconds > 0 and step + 1 < cfg.steps
+                and time.monotonic() - t_segment >= cfg.stop_after_seconds):
+            state = TrainState(step + 1, time.monotonic() - t0, history)
+            if cfg.checkpoint:
+                save_checkpoint(cfg, state, draft, opt, rng, len(batcher.examples))
+            sys.stderr.write("\n")
+            log.info("stopped at step %d of %d after %.0f s; checkpoint %s", step + 1, cfg.steps,
+                     time.monotonic() - t_segment, cfg.checkpoint or "(none)")
+            return TrainResult(False, state)
     out = save_dflash(draft, cfg.out_dir, dtype=torch.bfloat16)
     summary = {"config": {k: v for k, v in asdict(cfg).items() if k != "extra"},
                "target_layer_ids": list(taps), "history": history,
@@ -221,7 +320,9 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
                "num_train_prompts": len({e.prompt_id for e in batcher.examples}),
                "answers_by_temperature": _count_by_temperature(batcher.examples)}
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return out, summary
+    if cfg.checkpoint:
+        Path(cfg.checkpoint).unlink(missing_ok=True)     # the run is done: nothing to resume
+    return TrainResult(True, TrainState(cfg.steps, summary["train_seconds"], history), out, summary)
 
 
 def _count_by_temperature(examples: list[Example]) -> dict[str, int]:

@@ -1,0 +1,83 @@
+"""Checkpointed training (`dflash train-draft --stop-after`): a run cut into segments that each
+stop early, save the checkpoint and are resumed, ends bit-identical to the same run done in one
+go (weights, losses); a checkpoint of another run is refused, not mixed in."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from support.tiny_models import make_tiny
+
+from runtime.weights import read_tensors
+from services.draft.training.generate import Example
+from services.draft.training.trainer import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny_resume"), "llama", num_hidden_layers=4)
+
+
+def _examples(vocab: int, n: int = 12) -> list[Example]:
+    rng = random.Random(3)
+    return [Example(f"p{i}", "chat", [rng.randrange(vocab) for _ in range(6)],
+                    [rng.randrange(vocab) for _ in range(rng.randrange(8, 20))], 0.0)
+            for i in range(n)]
+
+
+def _cfg(target, out, **kw) -> TrainConfig:
+    return TrainConfig(target_dir=str(target), out_dir=str(out), num_layers=1, block_size=4,
+                       num_taps=2, mask_token_id=3, steps=5, batch_sequences=3,
+                       blocks_per_sequence=4, lr=1e-2, warmup_steps=2, max_len=64,
+                       device="cpu", feature_backend="torch", **kw)
+
+
+def test_segmented_run_equals_one_run(tiny_target, tmp_path):
+    from runtime.config import read_config_json
+    examples = _examples(int(read_config_json(str(tiny_target))["vocab_size"]))
+    whole = train(_cfg(tiny_target, tmp_path / "whole"), examples, [])
+    assert whole.finished
+    ck = tmp_path / "ck.pt"
+    cfg = _cfg(tiny_target, tmp_path / "parts", checkpoint=str(ck), stop_after_seconds=1e-9)
+    segments = []
+    while True:
+        res = train(cfg, examples, [])
+        segments.append(res.state.step)
+        if res.finished:
+            break
+        assert ck.is_file()
+    assert segments == [1, 2, 3, 4, 5]                   # one step per segment, then done
+    assert not ck.exists()                               # removed once the run is finished
+    assert [h["loss"] for h in res.summary["history"]] == \
+        [h["loss"] for h in whole.summary["history"]]
+    a = read_tensors(str(whole.out), None)
+    b = read_tensors(str(res.out), None)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cached_features_train_the_same_run(tiny_target, tmp_path):
+    """Features computed once (--cache-features) instead of per batch: the same batches and
+    labels, so the same losses up to the float noise of batching the target differently."""
+    from runtime.config import read_config_json
+    examples = _examples(int(read_config_json(str(tiny_target))["vocab_size"]))
+    plain = train(_cfg(tiny_target, tmp_path / "plain"), examples, [])
+    cached = train(_cfg(tiny_target, tmp_path / "cached", cache_features=True), examples, [])
+    a = [h["loss"] for h in plain.summary["history"]]
+    b = [h["loss"] for h in cached.summary["history"]]
+    assert len(a) == len(b) == 2 and a == pytest.approx(b, rel=2e-2)
+
+
+def test_checkpoint_of_another_run_is_refused(tiny_target, tmp_path):
+    from runtime.config import read_config_json
+    examples = _examples(int(read_config_json(str(tiny_target))["vocab_size"]))
+    ck = tmp_path / "ck.pt"
+    first = train(_cfg(tiny_target, tmp_path / "a", checkpoint=str(ck), stop_after_seconds=1e-9),
+                  examples, [])
+    assert not first.finished and ck.is_file()
+    other = replace(_cfg(tiny_target, tmp_path / "a", checkpoint=str(ck)), lr=2e-2)
+    with pytest.raises(ValueError, match=r"another run \(lr: 0.01 there, 0.02 here\)"):
+        train(other, examples, [])
+    with pytest.raises(ValueError, match="training answers: 12 there, 11 here"):
+        train(_cfg(tiny_target, tmp_path / "a", checkpoint=str(ck)), examples[:11], [])
