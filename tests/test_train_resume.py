@@ -81,3 +81,17 @@ def test_checkpoint_of_another_run_is_refused(tiny_target, tmp_path):
         train(other, examples, [])
     with pytest.raises(ValueError, match="training answers: 12 there, 11 here"):
         train(_cfg(tiny_target, tmp_path / "a", checkpoint=str(ck)), examples[:11], [])
+
+
+def test_init_from_starts_where_a_trained_drafter_ended(tiny_target, tmp_path):
+    from runtime.config import read_config_json
+    examples = _examples(int(read_config_json(str(tiny_target))["vocab_size"]))
+    first = train(_cfg(tiny_target, tmp_path / "first"), examples, [])
+    # lr 0: the optimizer changes nothing, so the export is exactly the weights it started from
+    again = train(replace(_cfg(tiny_target, tmp_path / "again"), init_from=str(first.out),
+                          lr=0.0, steps=1), examples, [])
+    a, b = read_tensors(str(first.out), None), read_tensors(str(again.out), None)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match=r"layers, taps, block size, mask id"):
+        train(replace(_cfg(tiny_target, tmp_path / "x"), num_layers=2, init_from=str(first.out)),
+              examples, [])

@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute every training sequence's features once and keep them in "
                         "device memory (bf16: 2 x taps x hidden bytes per token) instead of "
                         "running the target on every batch")
+    p.add_argument("--init-from", default="", metavar="DRAFTER",
+                   help="start from this trained drafter's weights instead of random ones")
     p.add_argument("--checkpoint", default="",
                    help="resume from / save to this file (default: WORK/checkpoint.pt)")
     p.add_argument("--stop-after", type=float, default=0.0, metavar="SECONDS",
@@ -133,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
                       device=args.device,
                       checkpoint=args.checkpoint or str(work / "checkpoint.pt"),
                       stop_after_seconds=args.stop_after, cache_features=args.cache_features,
+                      init_from=args.init_from,
                       feature_backend="triton" if args.device.startswith("cuda") else "torch")
     result = train(cfg, examples, held["eval_in"])
     if not result.finished:

@@ -23,6 +23,7 @@ from runtime.models.dflash import (
     TargetFingerprint,
     TargetHead,
     init_random,
+    load_dflash,
     save_dflash,
 )
 from runtime.models.registry import build_empty
@@ -59,6 +60,7 @@ class TrainConfig:
     seed: int = 0
     greedy_labels: bool = True                 # labels: the target's greedy chain (see blocks.py)
     cache_features: bool = False               # compute all features once, keep them on device
+    init_from: str = ""                        # start from this drafter's weights (same shape)
     checkpoint: str = ""                       # resume from / save to this file ("" = none)
     stop_after_seconds: float = 0.0            # > 0: save the checkpoint and stop after this
     device: str = "cuda"
@@ -132,6 +134,21 @@ def init_output_norm(draft: DFlashDraftModel, target_dir: str) -> None:
     weight = found.get("model.norm.weight")
     draft.norm.weight.copy_(0.1 * (weight if weight is not None else draft.norm.weight).to(
         draft.norm.weight.dtype))
+
+
+@torch.no_grad()
+def init_from_drafter(draft: DFlashDraftModel, path: str) -> None:
+    """Continue from a trained drafter (e.g. more steps on more answers): its architecture, taps,
+    block size and mask token must be the ones this run trains."""
+    start = load_dflash(path, torch.float32, next(draft.parameters()).device)
+    mine, theirs = draft.cfg, start.cfg
+    got = (theirs.base.num_layers, theirs.target_layer_ids, theirs.block_size, theirs.mask_token_id)
+    want = (mine.base.num_layers, mine.target_layer_ids, mine.block_size, mine.mask_token_id)
+    if got != want:
+        raise ValueError(f"--init-from {path}: (layers, taps, block size, mask id) {got} differ "
+                         f"from this run's {want}")
+    draft.load_state_dict(start.state_dict())
+    log.info("starting from the weights of %s", path)
 
 
 def batch_tensors(batch: list[Example], max_len: int, device) -> tuple[torch.Tensor, ...]:
@@ -258,6 +275,8 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
     draft = build_empty(DFlashDraftModel, dcfg, cfg.device, torch.float32)
     init_random(draft, cfg.seed)
     init_output_norm(draft, cfg.target_dir)
+    if cfg.init_from:
+        init_from_drafter(draft, cfg.init_from)
     draft.train()
     head = TargetHead.load(cfg.target_dir, torch.bfloat16, cfg.device)
     extractor = FeatureExtractor(cfg.target_dir, taps, cfg.batch_sequences * cfg.max_len + 1024,
