@@ -319,7 +319,7 @@ whole iteration). What the gateway adds - its own work plus the round trips beyo
 is a few milliseconds per step and a few percent of it; it grows with concurrency mostly because
 the three processes share two cores (event-loop and CPU waits show up as wire time). The DFlash
 rows use the drafter shipped for SmolLM2 (models/smollm2-135m-instruct-dflash); its acceptance
-length (about 2.0) is below what pays here: on this CPU a 135M fp32 model decodes in about one
+length (about 2.1 here) is below what pays: on this CPU a 135M fp32 model decodes in about one
 weight read per token while a 16-token verify costs about 1.8 decode steps and a propose about 0.5
 more, so speculation with it still costs more than it saves (see "Trained DFlash drafter" below); prompt
 lookup pays off on copy-like answers and costs a little on open chat. `dflash up` spreads one

@@ -37,14 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--taps", type=int, default=5, help="target layers tapped for features")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mask-token-id", type=int, required=True)
-    p.add_argument("--steps", type=int, default=6000)
+    p.add_argument("--steps", type=int, default=16000)
     p.add_argument("--batch-sequences", type=int, default=32)
     p.add_argument("--blocks-per-sequence", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--sampled-temperature", type=float, default=0.7,
                    help="more answers per prompt sampled at this temperature (0 = greedy only)")
-    p.add_argument("--samples-per-prompt", type=int, default=4,
+    p.add_argument("--samples-per-prompt", type=int, default=6,
                    help="sampled answers per training prompt, besides the greedy one")
     p.add_argument("--labels", choices=("greedy", "data"), default="greedy",
                    help="train on the target's greedy chain from each anchor (default) or on "
@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit-prompts", type=int, default=0, help="use only N training prompts")
     p.add_argument("--limit-eval", type=int, default=0, help="use only N prompts per held-out split")
     p.add_argument("--eval-sequences", type=int, default=128)
-    p.add_argument("--eval-every", type=int, default=2000, help="held-out tau every N steps")
+    p.add_argument("--eval-every", type=int, default=4000, help="held-out tau every N steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generate-only", action="store_true")
     p.add_argument("--cache-features", action="store_true",
