@@ -81,6 +81,10 @@ def test_checkpoint_of_another_run_is_refused(tiny_target, tmp_path):
         train(other, examples, [])
     with pytest.raises(ValueError, match="training answers: 12 there, 11 here"):
         train(_cfg(tiny_target, tmp_path / "a", checkpoint=str(ck)), examples[:11], [])
+    # caching features is a speed switch, not part of the recipe: a segment may change it
+    done = train(_cfg(tiny_target, tmp_path / "a", checkpoint=str(ck), cache_features=True),
+                 examples, [])
+    assert done.finished and not ck.exists()
 
 
 def test_init_from_starts_where_a_trained_drafter_ended(tiny_target, tmp_path):

@@ -54,6 +54,8 @@ class FeatureCache:
 
     def __init__(self, extractor: FeatureExtractor, seqs: list[list[int]], batch: int,
                  greedy: bool) -> None:
+        if not seqs:
+            raise ValueError("no training sequences to compute features for")
         lens = [len(s) for s in seqs]
         self.offsets = [0]
         for n in lens:

@@ -30,6 +30,7 @@ from runtime.models.registry import build_empty
 from runtime.weights import read_tensors
 from services.draft.training.acceptance import AcceptanceStats, simulate
 from services.draft.training.blocks import block_inputs, block_loss, draft_hidden, position_weights
+from services.draft.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from services.draft.training.features import FeatureCache, FeatureExtractor
 from services.draft.training.generate import Example
 
@@ -204,62 +205,12 @@ def evaluate(draft, head, extractor, batcher, examples: list[Example], cfg: Trai
     return total
 
 
-# TrainConfig fields that may differ between the segments of one checkpointed run.
-_SEGMENT_FIELDS = ("out_dir", "checkpoint", "stop_after_seconds", "eval_every", "eval_sequences",
-                   "extra")
-
-
-@dataclass
-class TrainState:
-    """Where a run stands: saved to `TrainConfig.checkpoint` when a segment stops early."""
-    step: int = 0
-    seconds: float = 0.0                        # training time of the earlier segments
-    history: list[dict] = field(default_factory=list)
-
-
 @dataclass
 class TrainResult:
     finished: bool
     state: TrainState
     out: Path | None = None                     # the exported drafter, when finished
     summary: dict | None = None
-
-
-def _run_key(cfg: TrainConfig) -> dict:
-    return {k: v for k, v in asdict(cfg).items() if k not in _SEGMENT_FIELDS}
-
-
-def save_checkpoint(cfg: TrainConfig, state: TrainState, draft, opt, rng: random.Random,
-                    num_examples: int) -> None:
-    path = Path(cfg.checkpoint)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"run": _run_key(cfg), "num_examples": num_examples, "state": asdict(state),
-                "draft": draft.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate()},
-               tmp)
-    tmp.replace(path)                           # never a half-written checkpoint
-
-
-def load_checkpoint(cfg: TrainConfig, draft, opt, rng: random.Random,
-                    num_examples: int) -> TrainState:
-    """Restores draft, optimizer and data order from cfg.checkpoint (if it exists); a checkpoint
-    of a different run (another recipe or data) is refused rather than silently mixed in."""
-    path = Path(cfg.checkpoint) if cfg.checkpoint else None
-    if path is None or not path.is_file():
-        return TrainState()
-    ck = torch.load(path, map_location=cfg.device, weights_only=False)
-    mine = _run_key(cfg)
-    diff = sorted(k for k in set(mine) | set(ck["run"]) if mine.get(k) != ck["run"].get(k))
-    if diff or ck["num_examples"] != num_examples:
-        what = ", ".join(f"{k}: {ck['run'].get(k)!r} there, {mine.get(k)!r} here" for k in diff)
-        if ck["num_examples"] != num_examples:
-            what += f"{', ' if what else ''}training answers: {ck['num_examples']} there, {num_examples} here"
-        raise ValueError(f"checkpoint {path} belongs to another run ({what}); "
-                         "delete it or pass another --checkpoint")
-    draft.load_state_dict(ck["draft"])
-    opt.load_state_dict(ck["opt"])
-    rng.setstate(ck["rng"])
-    return TrainState(**ck["state"])
 
 
 def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[Example]
