@@ -42,7 +42,7 @@ gen)
   done
   wait ;;
 train)
-  STEPS=$1; SAMPLES=${2:-4}; shift; shift || true
+  STEPS=$1; SAMPLES=${2:-6}; shift; shift || true
   python3 -m dflash.cli train-draft "${COMMON[@]}" --out out/drafter --samples-per-prompt "$SAMPLES" \
     --layers 3 --taps 5 --lr 1e-3 --steps "$STEPS" --batch-sequences 32 \
     --blocks-per-sequence 32 --eval-sequences 128 --eval-every ${EVAL_EVERY:-1000} \

@@ -1,0 +1,65 @@
+"""python -m bench.plot_drafters: held-out acceptance length during training of every SmolLM2
+drafter trained so far (from their training.json), against the training blocks seen, and the
+final simulated tau per held-out split. Writes docs/img/drafter_training.png."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RUNS = [  # label, training.json
+    ("first", "bench/results/training/smollm2_drafter1_training.json"),
+    ("second", "bench/results/training/smollm2_drafter2_training.json"),
+    ("third (shipped)", "models/smollm2-135m-instruct-dflash/training.json"),
+]
+CONTINUED = "bench/results/training/smollm2_continued_training.json"
+
+
+def curve(summary: dict, offset: float = 0.0) -> tuple[list[float], list[float]]:
+    """(millions of training blocks seen, held-out tau) at each evaluation."""
+    cfg = summary["config"]
+    per_step = cfg["batch_sequences"] * cfg["blocks_per_sequence"] / 1e6
+    points = [(offset + (h["step"] + 1) * per_step, h["eval_tau"])
+              for h in summary["history"] if "eval_tau" in h]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def main(out: str = "docs/img/drafter_training.png") -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = [(label, json.loads(Path(p).read_text())) for label, p in RUNS]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, summary in runs:
+        x, y = curve(summary)
+        left.plot(x, y, marker="o", ms=3, label=f"{label}: {summary['num_train_examples']} answers")
+    shipped = runs[-1][1]
+    done = shipped["config"]["steps"] * shipped["config"]["batch_sequences"] * \
+        shipped["config"]["blocks_per_sequence"] / 1e6
+    cont = json.loads(Path(CONTINUED).read_text())
+    x, y = curve(cont, offset=done)
+    left.plot(x, y, marker="s", ls="none", label="third + continuation (not shipped)")
+    left.axhline(3.5, color="grey", ls="--", lw=1)
+    left.text(0, 3.42, "goal in distribution (3.5)", color="grey", fontsize=8)
+    left.set(xlabel="training blocks seen (millions)", ylabel="held-out tau (64 eval_in, simulated)",
+             title="Acceptance length during training", ylim=(1, 3.7))
+    left.legend(fontsize=8, loc="lower right")
+    names = [label for label, _ in runs] + ["continued"]
+    summaries = [s for _, s in runs] + [cont]
+    for i, split in enumerate(("eval_in", "eval_unseen")):
+        taus = [s["eval"][split]["tau"] for s in summaries]
+        bars = right.bar([k + 0.38 * i for k in range(len(names))], taus, width=0.38, label=split)
+        right.bar_label(bars, fmt="%.3f", fontsize=7)
+    right.set_xticks([k + 0.19 for k in range(len(names))], names, fontsize=8)
+    right.set(ylabel="tau (128 prompts, <= 384 tokens, simulated)", ylim=(0, 3.7),
+              title="Final simulated tau per held-out split")
+    right.axhline(3.5, color="grey", ls="--", lw=1)
+    right.axhline(2.5, color="grey", ls=":", lw=1)
+    right.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
