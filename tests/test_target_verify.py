@@ -170,7 +170,7 @@ def test_calls_of_one_sequence_in_flight_together_run_in_order(model_dir):
     try:
         ref = work("prefill", "ref", PrefillCall("ref", prompt, SamplingConfig(), (), torch.float32), 120)
         g = [step((ref, 120))[0].next_token]
-        for _ in range(2):
+        for _ in range(3):
             g += step((work("verify", "ref", [g[-1]], 1), 1))[0].committed
         p = work("prefill", "dup", PrefillCall("dup", prompt, SamplingConfig(), (), torch.float32), 120)
         v1, v2 = work("verify", "dup", [g[0]], 1), work("verify", "dup", [g[1]], 1)
@@ -181,6 +181,13 @@ def test_calls_of_one_sequence_in_flight_together_run_in_order(model_dir):
         assert (r1.committed, r2) == ([g[1]], None)
         (r2,) = step((v2, 1))
         assert (r2.committed, r2.seq_len) == ([g[2]], len(prompt) + 2)
+        # A Release behind a Verify of its sequence in one iteration waits for that forward
+        # (found by the soak test: releasing first freed the pages the Verify was about to use,
+        # and the forward failed with INTERNAL).
+        v3, rel = work("verify", "dup", [g[2]], 1), work("release", "dup", None, 0)
+        r3, gone = step((v3, 1), (rel, 0))
+        assert (r3.committed, gone) == ([g[3]], None)
+        assert step((rel, 0)) == [True] and "dup" not in engine.seqs
     finally:
         loop.close()
 

@@ -116,11 +116,13 @@ class TargetEngine:
 
     def _must_wait(self, work: Work, busy: set[str]) -> bool:
         """At most one forward per sequence per iteration (two Verify calls of one sequence
-        would write the same KV positions), and no Verify before its Prefill has finished."""
-        if work.kind == "release":
-            return False
+        would write the same KV positions), no Verify before its Prefill has finished, and no
+        Release of a sequence whose forward this iteration already holds (it would free the
+        pages that forward reads and writes)."""
         if work.seq_id in busy:
             return True
+        if work.kind == "release":
+            return False
         seq = self.seqs.get(work.seq_id)
         return work.kind == "verify" and seq is not None and seq.prefilling
 
