@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def evaluate(args: argparse.Namespace) -> dict:
     from services.draft.training.prompts import load_prompts
-    target_dir = args.target or str(_default_target(args.dtype))
+    target_dir = args.target or str(default_target(args.dtype))
     engines = start_engines(
         TargetConfig(model_dir=target_dir, device=args.device, dtype=args.dtype,
                      max_block_size=max(16, args.block_size), lease_seconds=3600),
@@ -117,6 +117,6 @@ def _tau(specs: list[SpecResult]) -> float:
     return (sum(sum(s.accepted) for s in specs) + steps) / max(1, steps)
 
 
-def _default_target(dtype: str) -> Path:
+def default_target(dtype: str) -> Path:
     from runtime.prepare.smollm2 import prepare_smollm2
     return prepare_smollm2([dtype], progress=False)[dtype]

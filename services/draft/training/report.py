@@ -14,14 +14,16 @@ from services.draft.training.generate import Example
 from services.draft.training.trainer import batch_tensors
 
 
-def evaluate_splits(cfg, draft_dir: Path, held: dict[str, list[Example]]) -> dict:
+def evaluate_splits(cfg, draft_dir: Path, held: dict[str, list[Example]],
+                    dtype: torch.dtype = torch.bfloat16) -> dict:
     """{split: {"tau", "per_category": {cat: tau}, "per_position": [...], "sequences"}} at T=0,
-    simulated along the target's greedy answers (exact for greedy speculative decoding)."""
+    simulated along the target's greedy answers (exact for greedy speculative decoding).
+    dtype: the target's, for features and LM head (training uses bf16)."""
     draft = load_dflash(draft_dir, torch.float32, cfg.device)
-    head = TargetHead.load(cfg.target_dir, torch.bfloat16, cfg.device)
+    head = TargetHead.load(cfg.target_dir, dtype, cfg.device)
     taps = draft.cfg.target_layer_ids
     extractor = FeatureExtractor(cfg.target_dir, taps, cfg.batch_sequences * cfg.max_len + 1024,
-                                 torch.bfloat16, cfg.device, cfg.feature_backend)
+                                 dtype, cfg.device, cfg.feature_backend)
     result = {}
     for split, examples in held.items():
         examples = examples[: cfg.eval_sequences]

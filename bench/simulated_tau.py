@@ -1,0 +1,62 @@
+"""python -m bench.simulated_tau --work DIR: a drafter's acceptance length simulated along the
+target's cached greedy held-out answers (`WORK/{eval_in,eval_unseen}_t0.0.jsonl`, as written by
+`dflash train-draft`), on a seeded random sample of each split - the measurement `train-draft`
+reports at the end of training, here runnable anywhere (bf16 features by default, as in
+training; --dtype float32 as the CPU engines compute them). Writes JSON to --out."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from datetime import date
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from services.draft.training.evaluate import default_target
+from services.draft.training.generate import load_examples
+from services.draft.training.report import evaluate_splits
+from services.draft.training.trainer import TrainConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", required=True, help="folder with the held-out greedy answers")
+    ap.add_argument("--target", default="", help="target directory (default: SmolLM2 fp32)")
+    ap.add_argument("--draft-model", default="models/smollm2-135m-instruct-dflash")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--per-split", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", help="the target's, for the features")
+    ap.add_argument("--max-new-tokens", type=int, default=0,
+                    help="cut each answer to this many tokens (0 = as generated, <= 384)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/drafter_simulated.json")
+    args = ap.parse_args(argv)
+    target = args.target or str(default_target("float32"))
+    held = {}
+    for split in ("eval_in", "eval_unseen"):
+        examples = load_examples(Path(args.work) / f"{split}_t0.0.jsonl")
+        random.Random(args.seed).shuffle(examples)
+        if args.max_new_tokens:
+            examples = [replace(e, response_ids=e.response_ids[: args.max_new_tokens])
+                        for e in examples]
+        held[split] = examples
+    cfg = TrainConfig(target_dir=target, out_dir="", device=args.device, mask_token_id=0,
+                      feature_backend="triton" if args.device.startswith("cuda") else "torch",
+                      eval_sequences=args.per_split, batch_sequences=16)
+    t0 = time.monotonic()
+    result = evaluate_splits(cfg, Path(args.draft_model), held, getattr(torch, args.dtype))
+    out = {"date": str(date.today()), "machine": platform.processor() or platform.machine(),
+           "device": args.device, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+           "draft_model": args.draft_model, "per_split": args.per_split,
+           "seed": args.seed, "seconds": round(time.monotonic() - t0, 1), "splits": result}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({s: r["tau"] for s, r in result.items()}))
+
+
+if __name__ == "__main__":
+    main()
