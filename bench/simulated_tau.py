@@ -8,16 +8,15 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import time
-from datetime import date
 from dataclasses import replace
+from datetime import date
 from pathlib import Path
 
 import torch
 
 from services.draft.training.evaluate import default_target
-from services.draft.training.generate import load_examples
+from services.draft.training.generate import load_examples, shuffled
 from services.draft.training.report import evaluate_splits
 from services.draft.training.trainer import TrainConfig
 
@@ -38,8 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     target = args.target or str(default_target("float32"))
     held = {}
     for split in ("eval_in", "eval_unseen"):
-        examples = load_examples(Path(args.work) / f"{split}_t0.0.jsonl")
-        random.Random(args.seed).shuffle(examples)
+        examples = shuffled(load_examples(Path(args.work) / f"{split}_t0.0.jsonl"), args.seed)
         if args.max_new_tokens:
             examples = [replace(e, response_ids=e.response_ids[: args.max_new_tokens])
                         for e in examples]

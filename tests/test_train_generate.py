@@ -89,8 +89,9 @@ def test_feature_cache_returns_what_the_extractor_computes(smollm2_dir, prompts)
         assert got.feats.shape == ref.feats.shape and got.greedy.shape == ref.greedy.shape
         torch.testing.assert_close(got.feats, ref.feats, atol=1e-4, rtol=1e-4)   # pads: zeros
         assert got.greedy.tolist() == ref.greedy.tolist()
-    assert FeatureCache.nbytes(prompts, 1152, torch.bfloat16) == \
-        sum(map(len, prompts)) * 1152 * 2
+    assert ext.width == 1152
+    assert FeatureCache.nbytes(ext, prompts) == sum(map(len, prompts)) * 1152 * 4   # fp32
+    assert cache.feats.shape == (sum(map(len, prompts)) + 1, 1152) and not cache.feats[-1].any()
 
 
 def test_greedy_chain_labels_stop_where_the_sequence_leaves_the_chain():

@@ -20,6 +20,7 @@ from services.draft.training.generate import (
     generate,
     load_examples,
     save_examples,
+    shuffled,
 )
 
 log = logging.getLogger("dflash.train")
@@ -81,12 +82,6 @@ def answers(args, split: str, temperature: float, prompts: list, work: Path, sam
     return examples
 
 
-def _shuffled(examples: list[Example], seed: int) -> list[Example]:
-    out = list(examples)
-    random.Random(seed).shuffle(out)
-    return out
-
-
 def _generate(args, prompts: list, temperature: float, seed: int) -> list[Example]:
     import torch
 
@@ -124,9 +119,8 @@ def run(args: argparse.Namespace) -> int:
     if args.limit_eval:
         eval_sets = {s: random.Random(args.seed).sample(p, min(args.limit_eval, len(p)))
                      for s, p in eval_sets.items()}
-    # Evaluations take the first --eval-sequences of each split: a seeded shuffle makes that a
-    # sample of every category (split files are grouped by category).
-    held = {s: _shuffled(answers(args, s, 0.0, p, work), args.seed) for s, p in eval_sets.items()}
+    # evaluations take the first --eval-sequences of each split: shuffled, a sample of each
+    held = {s: shuffled(answers(args, s, 0.0, p, work), args.seed) for s, p in eval_sets.items()}
     examples = answers(args, "train", 0.0, train_prompts, work)
     if args.sampled_temperature > 0:
         for k in range(args.samples_per_prompt):

@@ -21,6 +21,12 @@ class FeatureExtractor:
                  dtype: torch.dtype, device: str, backend: str = "torch") -> None:
         self.runner = TargetRunner(target_dir, max_tokens, dtype, device, backend)
         self.layers = layers
+        self.dtype = dtype
+
+    @property
+    def width(self) -> int:
+        """K*H: one token's features."""
+        return len(self.layers) * self.runner.model.cfg.hidden_size
 
     @torch.inference_mode()
     def __call__(self, seqs: list[list[int]], greedy: bool = True) -> SequenceFeatures:
@@ -61,17 +67,14 @@ class FeatureCache:
         for n in lens:
             self.offsets.append(self.offsets[-1] + n)
         self.lengths = lens
-        total = self.offsets[-1]
-        width = None
+        self.feats = torch.zeros(self.offsets[-1] + 1, extractor.width, dtype=extractor.dtype,
+                                 device=extractor.runner.device)
+        self.greedy = torch.zeros(self.offsets[-1] + 1, dtype=torch.long,
+                                  device=extractor.runner.device) if greedy else None
         order = sorted(range(len(seqs)), key=lambda i: lens[i])   # similar lengths per forward
         for j in range(0, len(order), batch):
             chunk = order[j: j + batch]
             out = extractor([seqs[i] for i in chunk], greedy=greedy)
-            if width is None:
-                width = out.feats.shape[-1]
-                self.feats = out.feats.new_zeros(total + 1, width)
-                self.greedy = torch.zeros(total + 1, dtype=torch.long,
-                                          device=out.feats.device) if greedy else None
             for row, i in enumerate(chunk):
                 a, b = self.offsets[i], self.offsets[i + 1]
                 self.feats[a:b] = out.feats[row, : lens[i]]
@@ -90,5 +93,6 @@ class FeatureCache:
         return SequenceFeatures(self.feats[rows], greedy)
 
     @staticmethod
-    def nbytes(seqs: list[list[int]], width: int, dtype: torch.dtype) -> int:
-        return sum(len(s) for s in seqs) * width * torch.finfo(dtype).bits // 8
+    def nbytes(extractor: FeatureExtractor, seqs: list[list[int]]) -> int:
+        """Device memory the features of `seqs` take."""
+        return sum(len(s) for s in seqs) * extractor.width * extractor.dtype.itemsize

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -109,6 +110,14 @@ def save_examples(examples: list[Example], path: Path) -> None:
     with open(path, "w") as f:
         for e in examples:
             f.write(json.dumps(asdict(e)) + "\n")
+
+
+def shuffled(examples: list[Example], seed: int) -> list[Example]:
+    """A seeded shuffle: the first N of a held-out split become a sample of every category
+    (split files are grouped by category)."""
+    out = list(examples)
+    random.Random(seed).shuffle(out)
+    return out
 
 
 def load_examples(path: Path) -> list[Example]:

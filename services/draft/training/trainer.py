@@ -11,6 +11,7 @@ import math
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -112,16 +113,17 @@ class Batcher:
     def tensors(self, batch: list[Example], device) -> tuple[torch.Tensor, ...]:
         return batch_tensors(batch, self.cfg.max_len, device)
 
-    def anchors(self, plen: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """[S, nb] random anchor positions in [prompt_len, len-2] (with replacement if short)."""
+    def anchors(self, batch: list[Example], device) -> torch.Tensor:
+        """[S, nb] random anchor positions in [prompt_len, len-2] (with replacement if short),
+        drawn from the host-side lengths (no device round trip per step)."""
         nb = self.cfg.blocks_per_sequence
         rows = []
-        for p, n in zip(plen.tolist(), lens.tolist()):
+        for p, n in zip(*batch_lengths(batch, self.cfg.max_len)):
             choices = list(range(p, n - 1))
             pick = self.rng.sample(choices, nb) if len(choices) >= nb else \
                 [self.rng.choice(choices) for _ in range(nb)]
             rows.append(sorted(pick))
-        return torch.tensor(rows, device=plen.device)
+        return torch.tensor(rows, device=device)
 
 
 @torch.no_grad()
@@ -152,25 +154,29 @@ def init_from_drafter(draft: DFlashDraftModel, path: str) -> None:
     log.info("starting from the weights of %s", path)
 
 
+def batch_lengths(batch: list[Example], max_len: int) -> tuple[list[int], list[int]]:
+    """Prompt lengths (at most len-2, so every sequence has an anchor with a label) and lengths
+    of the sequences cut at max_len."""
+    lens = [min(len(e.ids), max_len) for e in batch]
+    return [min(len(e.prompt_ids), n - 2) for e, n in zip(batch, lens)], lens
+
+
 def batch_tensors(batch: list[Example], max_len: int, device) -> tuple[torch.Tensor, ...]:
-    """ids [S, L] (0-padded; sequences cut at max_len), prompt lengths [S] (at most len-2, so
-    every sequence has an anchor with a label), lengths [S]."""
-    seqs = [e.ids[:max_len] for e in batch]
-    L = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), L, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-    plen = torch.tensor([min(len(e.prompt_ids), len(s) - 2) for e, s in zip(batch, seqs)])
-    lens = torch.tensor([len(s) for s in seqs])
-    return ids.to(device), plen.to(device), lens.to(device)
+    """ids [S, L] (0-padded; sequences cut at max_len), prompt lengths [S], lengths [S]
+    (batch_lengths)."""
+    plen, lens = batch_lengths(batch, max_len)
+    ids = torch.zeros(len(batch), max(lens), dtype=torch.long)
+    for i, (e, n) in enumerate(zip(batch, lens)):
+        ids[i, :n] = torch.tensor(e.ids[:n])
+    return ids.to(device), torch.tensor(plen, device=device), torch.tensor(lens, device=device)
 
 
-def feature_cache(cfg: TrainConfig, extractor: FeatureExtractor, batcher: Batcher, width: int
+def feature_cache(cfg: TrainConfig, extractor: FeatureExtractor, batcher: Batcher
                   ) -> FeatureCache | None:
     if not cfg.cache_features:
         return None
     seqs = [e.ids[: cfg.max_len] for e in batcher.examples]
-    need = FeatureCache.nbytes(seqs, width, torch.bfloat16)
+    need = FeatureCache.nbytes(extractor, seqs)
     if torch.device(cfg.device).type == "cuda":
         free = torch.cuda.mem_get_info(torch.device(cfg.device))[0]
         if need > 0.85 * free:
@@ -233,7 +239,7 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
     extractor = FeatureExtractor(cfg.target_dir, taps, cfg.batch_sequences * cfg.max_len + 1024,
                                  torch.bfloat16, cfg.device, cfg.feature_backend)
     batcher = Batcher(train_examples, cfg, rng)
-    cache = feature_cache(cfg, extractor, batcher, len(taps) * dcfg.hidden_size)
+    cache = feature_cache(cfg, extractor, batcher)
     decay = [p for n, p in draft.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in draft.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -251,10 +257,10 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
             group["lr"] = lr_at(step, cfg)
         picked = batcher.sample(cfg.batch_sequences)
         batch = [batcher.examples[i] for i in picked]
-        ids, plen, lens = batcher.tensors(batch, cfg.device)
+        ids, _, lens = batcher.tensors(batch, cfg.device)
         target = cache(picked) if cache else \
             extractor([e.ids[: cfg.max_len] for e in batch], greedy=cfg.greedy_labels)
-        anchors = batcher.anchors(plen, lens)
+        anchors = batcher.anchors(batch, cfg.device)
         bids, bpos, labels = block_inputs(ids, anchors, cfg.block_size, cfg.mask_token_id, lens,
                                           target.greedy if cfg.greedy_labels else None)
         with torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16):
@@ -288,18 +294,12 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
                "train_seconds": round(time.monotonic() - t0, 1),
                "num_train_examples": len(batcher.examples),
                "num_train_prompts": len({e.prompt_id for e in batcher.examples}),
-               "answers_by_temperature": _count_by_temperature(batcher.examples)}
+               "answers_by_temperature": dict(Counter(str(e.temperature)
+                                                      for e in batcher.examples))}
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     if cfg.checkpoint:
         Path(cfg.checkpoint).unlink(missing_ok=True)     # the run is done: nothing to resume
     return TrainResult(True, TrainState(cfg.steps, summary["train_seconds"], history), out, summary)
-
-
-def _count_by_temperature(examples: list[Example]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for e in examples:
-        out[str(e.temperature)] = out.get(str(e.temperature), 0) + 1
-    return out
 
 
 def _progress(step: int, total: int, loss: float, acc: torch.Tensor, gnorm: float,
