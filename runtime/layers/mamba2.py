@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.layers.linear import Linear
+
 if TYPE_CHECKING:  # the backend imports this module
     from runtime.attention.mamba_state_backend import MambaStatePath
 
@@ -175,14 +177,14 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         self.cfg, self.mamba_index = cfg, mamba_index
         inner, nh = cfg.intermediate_size, cfg.num_heads
-        self.in_proj = nn.Linear(cfg.hidden_size, inner + cfg.conv_dim + nh, bias=cfg.proj_bias)
+        self.in_proj = Linear(cfg.hidden_size, inner + cfg.conv_dim + nh, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim,
                                 bias=cfg.conv_bias, padding=cfg.conv_kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(nh))
         self.A_log = nn.Parameter(torch.zeros(nh))
         self.D = nn.Parameter(torch.ones(nh))
         self.norm = GatedRMSNorm(inner, inner // cfg.num_groups, cfg.norm_eps)
-        self.out_proj = nn.Linear(inner, cfg.hidden_size, bias=cfg.proj_bias)
+        self.out_proj = Linear(inner, cfg.hidden_size, bias=cfg.proj_bias)
 
     def forward(self, x: torch.Tensor, states: MambaStatePath) -> torch.Tensor:
         """x [T, H] (flattened over the forward's sequences) -> [T, H]."""

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.layers import fused
+from runtime.layers.linear import Linear
 
 
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
@@ -25,8 +26,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H]
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

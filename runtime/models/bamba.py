@@ -19,6 +19,7 @@ from torch import nn
 from runtime.attention.mamba_state_backend import MambaStateBackend, MambaStatePath
 from runtime.attention.metadata import AttentionMetadata
 from runtime.config import ModelConfig
+from runtime.layers.linear import Linear, linear
 from runtime.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from runtime.layers.mlp import GatedMLP
 from runtime.layers.norm import RMSNorm
@@ -135,7 +136,7 @@ class BambaForCausalLM(nn.Module):
                 for r, i in enumerate(kind)}
         self.layers = nn.ModuleList(BambaLayer(cfg, i, rank[i]) for i in range(base.num_layers))
         self.final_layernorm = RMSNorm(base.hidden_size, base.rms_norm_eps)
-        self.lm_head = None if base.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if base.tie_word_embeddings else Linear(
             base.hidden_size, base.vocab_size, bias=False)
         self.rope = RotaryEmbedding(base.head_dim, base.max_position, base.rope)
         self.state_backend: MambaStatePath | None = None
@@ -207,7 +208,7 @@ class BambaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in fp32."""
-        return (hidden @ self.lm_head_weight.t()).float()
+        return linear(hidden, self.lm_head_weight).float()
 
 
 def build(raw: dict[str, Any]) -> tuple[type[nn.Module], HybridConfig]:

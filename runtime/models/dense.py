@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from runtime.config import ModelConfig
+from runtime.layers.linear import Linear, linear
 from runtime.layers.mlp import GatedMLP
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rope import RotaryEmbedding
@@ -19,9 +20,9 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -84,7 +85,7 @@ class DenseDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope)
 
@@ -111,4 +112,4 @@ class DenseDecoder(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in fp32."""
-        return (hidden @ self.lm_head_weight.t()).float()
+        return linear(hidden, self.lm_head_weight).float()

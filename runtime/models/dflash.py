@@ -48,6 +48,7 @@ from torch import nn
 
 from runtime import bench_switches
 from runtime.config import ModelConfig, read_config_json
+from runtime.layers.linear import Linear, linear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rope import RotaryEmbedding
 from runtime.models.dense import Attention, DecoderLayer
@@ -198,7 +199,7 @@ class DFlashAttention(Attention):
         """ctx [N, H] (projected features) -> k/v [N, nkv, hd]: k_norm + RoPE on k; q skipped."""
         weight = self.qkv_proj.weight[self.q_size:]
         bias = self.qkv_proj.bias[self.q_size:] if self.qkv_proj.bias is not None else None
-        k, v = F.linear(ctx, weight, bias).split([self.kv_size, self.kv_size], dim=-1)
+        k, v = linear(ctx, weight, bias).split([self.kv_size, self.kv_size], dim=-1)
         k = self.k_norm(k.reshape(-1, self.nkv, self.hd))
         _, k = rope(positions, k, k)
         return k, v.reshape(-1, self.nkv, self.hd)
@@ -220,7 +221,7 @@ class DFlashDraftModel(nn.Module):
         base = cfg.base
         self.layers = nn.ModuleList(DFlashDecoderLayer(base, i, *cfg.attention(i))
                                     for i in range(base.num_layers))
-        self.fc = nn.Linear(cfg.feature_width, base.hidden_size, bias=False)
+        self.fc = Linear(cfg.feature_width, base.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(base.hidden_size, base.rms_norm_eps)
         self.norm = RMSNorm(base.hidden_size, base.rms_norm_eps)
         self.rope = RotaryEmbedding(base.head_dim, base.max_position, base.rope)
@@ -285,7 +286,7 @@ class TargetHead:
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> int64 [N]: argmax of the fp32 logits."""
-        return (hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()).float().argmax(-1)
+        return linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float().argmax(-1)
 
 
 # -- checkpoint I/O --------------------------------------------------------------------------

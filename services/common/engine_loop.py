@@ -64,8 +64,10 @@ class EngineLoop:
     a split work that is not finished stays queued for the next iteration."""
 
     def __init__(self, step: Step, token_budget: int, name: str = "engine",
-                 on_idle: Callable[[], None] | None = None, idle_tick_s: float = 0.5) -> None:
+                 on_idle: Callable[[], None] | None = None, idle_tick_s: float = 0.5,
+                 on_start: Callable[[], None] | None = None) -> None:
         self.step = step
+        self.on_start = on_start      # first thing on the engine thread (runtime.threads.parallel)
         self.token_budget = token_budget
         self.on_idle = on_idle
         self.idle_tick_s = idle_tick_s
@@ -147,6 +149,8 @@ class EngineLoop:
             return batch
 
     def _run(self) -> None:
+        if self.on_start is not None:
+            self.on_start()
         while True:
             batch = self._take()
             if not batch:

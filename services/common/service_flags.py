@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM
 from services.common import flags, tls
 
 
@@ -15,6 +16,8 @@ def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget:
     flags.add(p, "--device", "cpu", str, "cpu | cuda | cuda:N")
     flags.add(p, "--dtype", "float32", str, "float32 | bfloat16 | float16")
     flags.add(p, "--attention-backend", "torch", str, "torch | triton | flashinfer")
+    flags.add(p, "--cpu-gemm", DEFAULT_CPU_GEMM, str,
+              f"fp32 CPU GEMM of linear layers: {' | '.join(sorted(CPU_GEMMS))} (torch = MKL)")
     flags.add(p, "--kv-budget", kv_budget, flags.parse_size, kv_help)
     flags.add(p, "--page-size", 16, int, "tokens per KV page")
     flags.add(p, "--token-budget", token_budget, int, token_help)

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from runtime import threads
 from runtime.config import default_model_id
 from services.common import flags, metrics, tls
 from services.common.guard import Drain
@@ -73,7 +74,7 @@ def config_from_args(args: argparse.Namespace) -> DraftConfig:
         max_ngram=args.max_ngram, min_ngram=args.min_ngram, token_budget=args.token_budget,
         lease_seconds=args.lease_seconds, feature_dtype=args.feature_dtype,
         model_id=args.model_id, warmup_delay_s=args.warmup_delay,
-        cuda_graphs=not args.no_cuda_graphs)
+        cuda_graphs=not args.no_cuda_graphs, cpu_gemm=args.cpu_gemm)
 
 
 def metrics_name(config: DraftConfig) -> str:
@@ -100,11 +101,11 @@ async def warmup(engine: DraftEngine, drafter: Drafter, config: DraftConfig) -> 
 
 async def start_engine(servicer: draft_servicer.DraftServicer, config: DraftConfig) -> DraftEngine:
     servicer.stage = "loading the drafter"
-    drafter = await asyncio.to_thread(make_drafter, config)
+    drafter = await asyncio.to_thread(threads.serially, make_drafter, config)
     servicer.stage = "building the KV cache and attention backend"
-    await asyncio.to_thread(drafter.init_backend)
+    await asyncio.to_thread(threads.serially, drafter.init_backend)
     servicer.stage = "capturing CUDA graphs"
-    await asyncio.to_thread(drafter.capture_cuda_graphs)     # before SERVING: readiness waits
+    await asyncio.to_thread(threads.serially, drafter.capture_cuda_graphs)     # before SERVING: readiness waits
     engine = DraftEngine(drafter, config)
     engine.start()
     servicer.stage = "warming up"
@@ -159,6 +160,7 @@ def _starts_sequence(method: str, request) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    threads.serial()            # only the engine thread computes in parallel (runtime/threads.py)
     args = parse_args(argv)
     setup_logging(args.log_level, "draft")
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.config import DTYPES
+from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM
 
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -28,10 +29,14 @@ class DraftConfig:
     model_id: str = ""
     warmup_delay_s: float = 0.0        # tests: make warm-up observably slow
     cuda_graphs: bool = True           # capture the propose forward during warm-up (CUDA + triton)
+    cpu_gemm: str = DEFAULT_CPU_GEMM   # fp32 CPU GEMM (runtime/layers/linear.py): auto | onednn | torch
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.cpu_gemm not in CPU_GEMMS:
+            raise ValueError(f"cpu gemm {self.cpu_gemm!r} is not offered by this torch build; "
+                             f"allowed: {sorted(CPU_GEMMS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; allowed: {sorted(DTYPES)}")
         if self.feature_dtype not in FEATURE_DTYPES:

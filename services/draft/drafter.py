@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.layers.linear import set_cpu_gemm
 from runtime.models.dflash import TargetFingerprint
 from services.draft.config import DraftConfig
 from services.draft.sequence import DraftSequence
@@ -97,4 +98,5 @@ def drafter_class(name: str) -> type[Drafter]:
 
 
 def make_drafter(config: DraftConfig) -> Drafter:
+    set_cpu_gemm(config.cpu_gemm)
     return drafter_class(config.drafter)(config)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime import threads
 from runtime.kv_cache import OutOfPages
 from services.common import metrics
 from services.common.engine_loop import EngineLoop, Work
@@ -46,7 +47,7 @@ class DraftEngine:
         self.config = config
         self.seqs: dict[str, DraftSequence] = {}
         self.loop = EngineLoop(self._step, config.token_budget, name="draft-engine",
-                               on_idle=self._expire_leases)
+                               on_idle=self._expire_leases, on_start=threads.parallel)
         self.leases = LeaseSweeper(config.lease_seconds, self._release)
         self.stats = EngineStats()
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 
+from runtime import threads
 from runtime.config import default_model_id
 from runtime.sampling import SamplingConfig
 from services.common import flags, metrics, tls
@@ -74,7 +75,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         cuda_graphs=not args.no_cuda_graphs, graph_block_sizes=args.graph_block_sizes,
         graph_capture_layers=args.graph_capture_layers,
         mamba_commit=not args.no_mamba_commit, verify_state_slots=args.verify_state_slots,
-        unsafe_skip_mamba_commit=args.unsafe_skip_mamba_commit)
+        unsafe_skip_mamba_commit=args.unsafe_skip_mamba_commit, cpu_gemm=args.cpu_gemm)
 
 
 async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:
@@ -113,14 +114,14 @@ async def serve(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     install_stop_signals(stop)
     start_metrics(args.metrics_port)
-    worker = await asyncio.to_thread(TargetWorker, config)
+    worker = await asyncio.to_thread(threads.serially, TargetWorker, config)
     servicer.worker = worker
-    await asyncio.to_thread(worker.alloc_memory_pools)
-    await asyncio.to_thread(worker.init_attention_backends)
+    await asyncio.to_thread(threads.serially, worker.alloc_memory_pools)
+    await asyncio.to_thread(threads.serially, worker.init_attention_backends)
     engine = TargetEngine(worker)
     engine.start()
     servicer.engine = engine
-    await asyncio.to_thread(worker.capture_cuda_graphs)   # before SERVING: readiness waits
+    await asyncio.to_thread(threads.serially, worker.capture_cuda_graphs)   # before SERVING: readiness waits
     await warmup(engine, worker)
     worker.mark_ready()
     await readiness.set(True)
@@ -136,6 +137,7 @@ def _live_sequences(servicer: target_servicer.TargetServicer) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    threads.serial()            # only the engine thread computes in parallel (runtime/threads.py)
     args = parse_args(argv)
     setup_logging(args.log_level, "target")
     asyncio.run(serve(args))

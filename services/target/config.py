@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM
+
 
 @dataclass(frozen=True)
 class TargetConfig:
@@ -28,9 +30,13 @@ class TargetConfig:
     # hybrid: sequences that can verify blocks of 2+ tokens (-1 = state_slots); see runtime/state_pool.py
     verify_state_slots: int = -1
     unsafe_skip_mamba_commit: bool = False   # TESTING ONLY: advertise the commit, skip it (wrong)
+    cpu_gemm: str = DEFAULT_CPU_GEMM   # fp32 CPU GEMM (runtime/layers/linear.py): auto | onednn | torch
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_block_size < 1 or self.token_budget < self.max_block_size:
             raise ValueError("page_size and max_block_size must be >= 1 and token_budget >= max_block_size")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.cpu_gemm not in CPU_GEMMS:
+            raise ValueError(f"cpu gemm {self.cpu_gemm!r} is not offered by this torch build; "
+                             f"allowed: {sorted(CPU_GEMMS)}")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime import bench_switches
+from runtime import bench_switches, threads
 from runtime.attention.metadata import SeqSlice
 from runtime.bench_switches import ForcedAcceptance
 from runtime.kv_cache import OutOfPages
@@ -68,7 +68,7 @@ class TargetEngine:
         self.worker = worker
         self.seqs: dict[str, TargetSequence] = {}
         self.loop = EngineLoop(self._step, worker.config.token_budget, name="target-engine",
-                               on_idle=self._expire_leases)
+                               on_idle=self._expire_leases, on_start=threads.parallel)
         self.leases = LeaseSweeper(worker.config.lease_seconds, self._release)
         self.stats = EngineStats()
         tau = bench_switches.forced_tau()       # benchmark-only; never a service flag

@@ -22,6 +22,7 @@ from runtime.attention.metadata import AttentionMetadata, SeqSlice
 from runtime.attention.registry import backend_class
 from runtime.config import default_model_id, dtype_name, parse_dtype
 from runtime.kv_cache import PagedKVCache
+from runtime.layers.linear import set_cpu_gemm
 from runtime.models.forward import ForwardBatch, ForwardOutput
 from runtime.models.registry import load_model
 from runtime.tokenizer import tokenizer_fingerprint
@@ -53,6 +54,7 @@ class TargetWorker:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
+        set_cpu_gemm(config.cpu_gemm)
         t0 = time.monotonic()
         self.model = load_model(config.model_dir, self.dtype, self.device)
         cfg = self.model.cfg

@@ -1,0 +1,99 @@
+"""Linear layers (y = x W^T + b) whose fp32 CPU GEMM is chosen per process.
+
+torch's default fp32 CPU GEMM is MKL's sgemm called as x · Wᵀ. On the AMD EPYC cores of the CPU
+machines (AVX2) it is slow at the row counts decoding uses: 1..16 rows of a SmolLM2 matrix
+move 8..17 GB/s, and a whole forward is bound by it (bench/results/cpu_gemm.json):
+  - oneDNN's matmul (the kernel torch's CPU inductor emits, reached through
+    `torch.ops.mkldnn._linear_pointwise` on the plain dense weight) runs the same shapes about
+    2x faster at every row count;
+  - at 1..4 rows, MKL itself is faster still when the weight is the left operand, W · xᵀ,
+    with 1 row padded to 2 and 3 to 4 (its fastest shapes there): a SmolLM2 forward of 1..4
+    tokens then costs about what one token costs, which is what makes small verify blocks
+    cheap on the CPU.
+
+Registry of CPU GEMMs: 'auto' (the default where torch has oneDNN: W · xᵀ at 1..4 rows, oneDNN
+above) | 'onednn' | 'torch' (F.linear, MKL). Results differ only in fp32 rounding.
+Only inference on the CPU in fp32 is routed: anything that needs a gradient (training), other
+dtypes and other devices always take F.linear."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("dflash.gemm")
+
+Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K], weight [N, K] (dense), bias [N] or None -> [..., N] (no autograd)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+PADDED_ROWS = {1: 2, 2: 2, 3: 4, 4: 4}     # rows -> rows computed by _weight_left
+
+
+def _weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """x [M, K] with M in PADDED_ROWS -> [M, N] contiguous, computed as W [N, K] · xᵀ."""
+    m = x.shape[0]
+    if PADDED_ROWS[m] != m:
+        x = torch.cat([x, x.new_zeros(PADDED_ROWS[m] - m, x.shape[1])])
+    y = (weight @ x.t()).t()[:m].contiguous()
+    return y + bias if bias is not None else y
+
+
+def _auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: _weight_left at 1..4 rows, oneDNN above."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows not in PADDED_ROWS:
+        return _onednn(x, weight, bias)
+    y = _weight_left(x.reshape(rows, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+CPU_GEMMS: dict[str, Gemm] = {"torch": F.linear}
+if _onednn_available():
+    CPU_GEMMS["onednn"] = _onednn
+    CPU_GEMMS["auto"] = _auto
+
+DEFAULT_CPU_GEMM = "auto" if "auto" in CPU_GEMMS else "torch"
+_active: list[str] = [DEFAULT_CPU_GEMM]
+
+
+def set_cpu_gemm(name: str) -> None:
+    """Chooses the process's fp32 CPU GEMM ('auto' | 'onednn' | 'torch')."""
+    if name not in CPU_GEMMS:
+        raise ValueError(f"unknown CPU GEMM {name!r}: this torch build offers "
+                         f"{' | '.join(sorted(CPU_GEMMS))}")
+    if name != _active[0]:
+        log.info("cpu gemm", extra={"gemm": name})
+    _active[0] = name
+
+
+def cpu_gemm() -> str:
+    return _active[0]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """F.linear, through the chosen CPU GEMM for fp32 inference on the CPU."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return CPU_GEMMS[_active[0]](x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names) whose forward is `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
