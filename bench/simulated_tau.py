@@ -47,13 +47,18 @@ def main(argv: list[str] | None = None) -> None:
                       eval_sequences=args.per_split, batch_sequences=16)
     t0 = time.monotonic()
     result = evaluate_splits(cfg, Path(args.draft_model), held, getattr(torch, args.dtype))
+    for r in result.values():      # a smaller verify block truncates the block: tau at B
+        pp = r["per_position_acceptance"]
+        r["tau_by_block"] = {str(b): round(1 + sum(pp[: b - 1]), 3) for b in (2, 3, 4, 6, 8, 16)
+                             if b - 1 <= len(pp)}
     out = {"date": str(date.today()), "machine": platform.processor() or platform.machine(),
            "device": args.device, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
            "draft_model": args.draft_model, "per_split": args.per_split,
            "seed": args.seed, "seconds": round(time.monotonic() - t0, 1), "splits": result}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps({s: r["tau"] for s, r in result.items()}))
+    print(json.dumps({s: {"tau": r["tau"], "by_block": r["tau_by_block"]}
+                      for s, r in result.items()}))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ from pathlib import Path
 from runtime.home import models_home
 
 DEFAULT_DRAFTER = "dflash"
+# Verify block of a DFlash stack on the CPU when --block-size is 0: there a verify of 1..4 tokens
+# costs about one decode step (runtime/layers/linear.py) and each larger block costs more than
+# its extra accepted drafts bring (docs/benchmarks.md, "CPU compute"). On a GPU: the trained block.
+CPU_DFLASH_BLOCK = 4
 # The DFlash drafter trained by this project for SmolLM2-135M-Instruct (models/ in the repo).
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
 DRAFTERS = ("dflash", "prompt-lookup", "none")
@@ -131,8 +135,16 @@ class Stack:
         return ["--target", f"{o.host}:{o.target_port}",
                 "--draft", f"{o.host}:{o.draft_port}" if o.drafter != "none" else "",
                 "--tokenizer", self.model_dir, "--port", port, "--http-port", http_port,
-                "--host", o.host, "--block-size", o.block_size,
+                "--host", o.host, "--block-size", self.verify_block(),
                 *(("--wire", o.wire) if o.wire else ()), *o.gateway_args, *extra]
+
+    def verify_block(self) -> int:
+        """The gateway's default verify block: --block-size, else CPU_DFLASH_BLOCK for a DFlash
+        drafter on the CPU, else 0 (the draft's trained block)."""
+        o = self.opts
+        if o.block_size or o.drafter != "dflash" or o.device != "cpu":
+            return o.block_size
+        return CPU_DFLASH_BLOCK
 
     def add_gateway(self, name: str, port: int, http_port: int, *extra: str) -> Child:
         """Starts one more gateway on the running target and draft (benchmarks: another wire);
@@ -278,7 +290,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=d.drafter, choices=DRAFTERS,
                    help=f"default {DEFAULT_DRAFTER}")
     p.add_argument("--draft-model", default="", help="DFlash drafter directory (--drafter dflash)")
-    p.add_argument("--block-size", type=int, default=0, help="verify block size (0 = the draft's)")
+    p.add_argument("--block-size", type=int, default=0,
+                   help=f"verify block size (0 = {CPU_DFLASH_BLOCK} for dflash on the CPU, else the "
+                        f"draft's trained block)")
     p.add_argument("--wire", default="", choices=("unary", "stream"),
                    help="gateway --wire: Propose/Verify as unary RPCs or on one stream per "
                         "upstream (default: the gateway's)")

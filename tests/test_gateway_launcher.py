@@ -123,3 +123,22 @@ def test_target_graphs_capture_the_drafter_layers(tmp_path):
     assert argv["draft"][-2:] == ["--kv-budget", "1GiB"]
     none = Stack(StackOptions(model_dir=str(model), log_dir=str(tmp_path), drafter="none"))
     assert "--graph-capture-layers" not in {a for c in none.plan() for a in c.argv}
+
+
+def test_verify_block_defaults_to_the_cpu_block_for_dflash_on_the_cpu(tmp_path):
+    """--block-size 0: a DFlash stack on the CPU verifies CPU_DFLASH_BLOCK tokens, on a GPU the
+    drafter's trained block (gateway 0); an explicit --block-size always wins."""
+    from gateway.launcher import CPU_DFLASH_BLOCK, Stack, StackOptions
+    from runtime.prepare.smollm2 import prepare_smollm2
+    model = str(prepare_smollm2(["float32"], progress=False)["float32"])
+
+    def gateway_block(**options) -> int:
+        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), **options))
+        argv = {c.name: c.argv for c in stack.plan()}["gateway"]
+        return int(argv[argv.index("--block-size") + 1])
+
+    assert gateway_block() == CPU_DFLASH_BLOCK == 4
+    assert gateway_block(block_size=16) == 16
+    assert gateway_block(device="cuda", attention_backend="triton") == 0
+    assert gateway_block(drafter="prompt-lookup") == 0
+    assert gateway_block(drafter="none") == 0

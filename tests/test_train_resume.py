@@ -99,3 +99,25 @@ def test_init_from_starts_where_a_trained_drafter_ended(tiny_target, tmp_path):
     with pytest.raises(ValueError, match=r"layers, taps, block size, mask id"):
         train(replace(_cfg(tiny_target, tmp_path / "x"), num_layers=2, init_from=str(first.out)),
               examples, [])
+
+
+@pytest.mark.parametrize("window", [0, 5, 1000])
+def test_anchors_stay_in_the_answer_window(window):
+    """Anchors lie in [prompt_len, len-2]; --anchor-window N keeps them in the answer's first N
+    tokens (all of a short answer when N exceeds it)."""
+    from services.draft.training.trainer import Batcher
+    cfg = TrainConfig(target_dir="", out_dir="", device="cpu", blocks_per_sequence=4,
+                      anchor_window=window, max_len=64)
+    batch = [Example("a", "c", [1] * 7, list(range(40)), 0.0),     # a long answer
+             Example("b", "c", [1] * 3, [5, 6, 7], 0.0),            # short: draws with replacement
+             Example("c", "c", [1] * 50, list(range(40)), 0.0)]     # cut at max_len
+    batcher = Batcher(batch, cfg, random.Random(0))
+    seen: set[tuple[int, int]] = set()
+    for _ in range(50):
+        anchors = batcher.anchors(batch, "cpu")
+        assert anchors.shape == (3, 4)
+        for row, (p, n) in zip(anchors.tolist(), [(7, 47), (3, 6), (50, 64)]):
+            hi = min(n - 2, p + window - 1) if window else n - 2
+            assert all(p <= a <= hi for a in row), (row, p, hi)
+            seen.update((p, a) for a in row)
+    assert max(a for p, a in seen if p == 7) == (min(46 - 1, 7 + window - 1) if window else 45)

@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sequences", type=int, default=32)
     p.add_argument("--blocks-per-sequence", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--gamma", type=float, default=7.0,
+                   help="loss weight of draft position k: exp(-(k-1)/gamma)")
+    p.add_argument("--anchor-window", type=int, default=0, metavar="N",
+                   help="anchors only in the first N tokens of each answer (0 = anywhere)")
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--sampled-temperature", type=float, default=0.7,
                    help="more answers per prompt sampled at this temperature (0 = greedy only)")
@@ -132,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
                       mask_token_id=args.mask_token_id, steps=args.steps,
                       batch_sequences=args.batch_sequences,
                       blocks_per_sequence=args.blocks_per_sequence, lr=args.lr,
+                      gamma=args.gamma, anchor_window=args.anchor_window,
                       eval_sequences=min(args.eval_sequences, 64), seed=args.seed,
                       greedy_labels=args.labels == "greedy", eval_every=args.eval_every,
                       device=args.device,

@@ -65,7 +65,8 @@ def write_card(draft_dir: Path, summary: dict) -> None:
         f"{summary.get('num_train_prompts', '?')} training prompts of `data/prompts/train.jsonl` "
         f"(answers per temperature: {summary.get('answers_by_temperature', {})})",
         f"- labels: {'the target greedy chain from each anchor' if cfg.get('greedy_labels', True) else 'the answer tokens'}",
-        f"- recipe: random anchors in the answer, block [anchor, MASK x {cfg['block_size'] - 1}], "
+        f"- recipe: random anchors in the answer{_window(cfg)}, block [anchor, MASK x "
+        f"{cfg['block_size'] - 1}], "
         f"CE on positions 1..B-1 weighted exp(-(k-1)/{cfg['gamma']}); AdamW lr {cfg['lr']} "
         f"cosine, {cfg['steps']} steps x {cfg['batch_sequences']} sequences x "
         f"{cfg['blocks_per_sequence']} blocks, bf16 autocast, clip {cfg['grad_clip']}",
@@ -82,3 +83,8 @@ def write_card(draft_dir: Path, summary: dict) -> None:
         lines.append(f"| {split} | {r['tau']} | {cats} |")
     (Path(draft_dir) / "README.md").write_text("\n".join(lines) + "\n")
     (Path(draft_dir) / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
+
+
+def _window(cfg: dict) -> str:
+    window = cfg.get("anchor_window", 0)
+    return f" (its first {window} tokens)" if window else ""

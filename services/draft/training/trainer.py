@@ -56,6 +56,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     gamma: float = 7.0
+    anchor_window: int = 0                     # > 0: anchors only in the first N answer tokens
     max_len: int = 768
     eval_every: int = 250
     eval_sequences: int = 64
@@ -115,11 +116,13 @@ class Batcher:
 
     def anchors(self, batch: list[Example], device) -> torch.Tensor:
         """[S, nb] random anchor positions in [prompt_len, len-2] (with replacement if short),
-        drawn from the host-side lengths (no device round trip per step)."""
-        nb = self.cfg.blocks_per_sequence
+        drawn from the host-side lengths (no device round trip per step). anchor_window > 0
+        keeps them in the answer's first tokens: where users read, while the tails of long
+        greedy answers often loop and are easy to draft."""
+        nb, window = self.cfg.blocks_per_sequence, self.cfg.anchor_window
         rows = []
         for p, n in zip(*batch_lengths(batch, self.cfg.max_len)):
-            choices = list(range(p, n - 1))
+            choices = list(range(p, min(n - 1, p + window) if window > 0 else n - 1))
             pick = self.rng.sample(choices, nb) if len(choices) >= nb else \
                 [self.rng.choice(choices) for _ in range(nb)]
             rows.append(sorted(pick))
