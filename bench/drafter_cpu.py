@@ -1,67 +1,83 @@
-"""python -m bench.drafter_cpu: speculative decoding with the shipped DFlash drafter over the
-in-process engines (no gRPC) on this CPU, for several block sizes against autoregressive
-decoding, on held-out prompts (greedy). Writes bench/results/drafter_cpu.json."""
+"""python -m bench.drafter_cpu: the DFlash drafter through the real stack (target, draft and
+gateway processes, as `dflash up` runs them) at several verify block sizes, against the same
+stack without a drafter, on held-out prompts, one request at a time, greedy.
+
+Per configuration: tokens/s (prefill included), tau (committed tokens per verify step) and the
+step's parts from the services' own metrics (Verify and Propose handler times). Every output
+is checked token-identical to the stack without a drafter. Writes bench/results/drafter_cpu.json.
+In-process engines are not used here: two engine threads in one process each open an OpenMP
+pool, which slows both (runtime/threads.py)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
 import random
+import tempfile
+import time
 from datetime import date
 from pathlib import Path
 
-import torch
-
-from runtime.sampling import SamplingConfig
-from runtime.tokenizer import ChatTokenizer
-from services.draft.config import DraftConfig
-from services.draft.training.generate import chat_prompt_ids
-from services.draft.training.inproc import speculate, start_engines
-from services.draft.training.prompts import load_prompts
-from services.target.config import TargetConfig
+from bench.gateway_cpu import Services, grpc_generate, step_breakdown
+from bench.report import machine
 
 
-async def sweep(engines, tok, prompts, blocks, max_new) -> dict:
-    eos = set(engines.target.worker.facts.eos_token_ids)
-    rows = {b: {"tokens": 0, "seconds": 0.0, "steps": 0, "accepted": 0} for b in blocks}
-    for i, rec in enumerate(prompts):
-        ids = chat_prompt_ids(tok, rec.text)
-        for b in blocks:                       # interleaved: every block size sees the same load
-            r = await speculate(engines, f"b{b}-{i}", ids, max_new, b, SamplingConfig(), eos)
-            row = rows[b]
-            row["tokens"] += len(r.tokens)
-            row["seconds"] += r.seconds
-            row["steps"] += r.steps
-            row["accepted"] += sum(r.accepted)
-    return {str(b): {"tokens_per_s": round(r["tokens"] / r["seconds"], 2),
-                     "tau": round((r["accepted"] + r["steps"]) / max(1, r["steps"]), 3),
-                     "ms_per_step": round(1000 * r["seconds"] / max(1, r["steps"]), 1)}
-            for b, r in rows.items()}
+def run_config(drafter: str, block: int, draft_model: str, prompts: list[list[int]],
+               max_tokens: int, log_dir: Path) -> dict:
+    options = {"block_size": block}
+    if drafter == "dflash":
+        options["draft_model"] = draft_model
+    with Services(drafter, log_dir / f"{drafter}-{block}", **options) as svc:
+        address = f"127.0.0.1:{svc.opts.port}"
+        grpc_generate(address, prompts[0][:8], 4)                     # warm-up
+        before = svc.snapshot()
+        t0 = time.perf_counter()
+        outputs, steps, accepted = [], 0, 0
+        for ids in prompts:
+            tokens, usage = grpc_generate(address, ids, max_tokens)
+            outputs.append(tokens)
+            steps += usage.draft_steps if drafter != "none" else len(tokens)
+            accepted += usage.accepted_tokens if drafter != "none" else 0
+        seconds = time.perf_counter() - t0
+        parts = step_breakdown(before, svc.snapshot())
+    tokens = sum(len(o) for o in outputs)
+    return {"drafter": drafter, "block_size": block, "tokens": tokens,
+            "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2),
+            "tau": round(1 + accepted / max(1, steps), 3) if drafter != "none" else 1.0,
+            **{k: round(parts[k], 2) for k in ("step_ms", "verify_handler_ms",
+                                               "propose_handler_ms", "wire_ms")},
+            "outputs": outputs}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--blocks", type=int, nargs="+", default=[1, 4, 6, 8, 16])
+    ap.add_argument("--prompts", type=int, default=8, help="eval_in prompts (seeded sample)")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--blocks", type=int, nargs="+", default=[2, 3, 4, 6, 8, 16])
     ap.add_argument("--draft-model", default="models/smollm2-135m-instruct-dflash")
     ap.add_argument("--out", default="bench/results/drafter_cpu.json")
     args = ap.parse_args()
-    torch.set_num_threads(2)
     from runtime.prepare.smollm2 import prepare_smollm2
-    target = str(prepare_smollm2(["float32"], progress=False)["float32"])
-    engines = start_engines(TargetConfig(model_dir=target, max_block_size=16),
-                            DraftConfig(target_dir=target, model_dir=args.draft_model))
-    prompts = random.Random(1).sample(load_prompts("eval_in"), args.prompts)
-    try:
-        rows = asyncio.run(sweep(engines, ChatTokenizer(target), prompts, args.blocks,
-                                 args.max_new_tokens))
-    finally:
-        engines.stop()
-    result = {"date": str(date.today()), "machine": f"{os.cpu_count()} CPUs",
-              "command": "python -m bench.drafter_cpu", "prompts": args.prompts,
-              "max_new_tokens": args.max_new_tokens, "by_block_size": rows}
+    from runtime.tokenizer import ChatTokenizer
+    from services.draft.training.generate import chat_prompt_ids
+    from services.draft.training.prompts import load_prompts
+    model_dir = prepare_smollm2(["float32"], progress=False)["float32"]
+    tok = ChatTokenizer(model_dir)
+    records = random.Random(1).sample(load_prompts("eval_in"), args.prompts)
+    prompts = [chat_prompt_ids(tok, r.text) for r in records]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-drafter-") as tmp:
+        configs = [("none", 0)] + [("dflash", b) for b in args.blocks]
+        for drafter, block in configs:
+            rows.append(run_config(drafter, block, args.draft_model, prompts,
+                                   args.max_new_tokens, Path(tmp)))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "outputs"}), flush=True)
+    reference = rows[0]["outputs"]
+    for r in rows:
+        r["identical_to_autoregressive"] = r.pop("outputs") == reference
+        r["speedup_vs_autoregressive"] = round(r["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
+    result = {"date": str(date.today()), "machine": machine(),
+              "command": "python -m bench.drafter_cpu", "draft_model": args.draft_model,
+              "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

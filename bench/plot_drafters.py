@@ -9,8 +9,10 @@ from pathlib import Path
 RUNS = [  # label, training.json
     ("first", "bench/results/training/smollm2_drafter1_training.json"),
     ("second", "bench/results/training/smollm2_drafter2_training.json"),
-    ("third (shipped)", "models/smollm2-135m-instruct-dflash/training.json"),
+    ("third", "bench/results/training/smollm2_drafter3_training.json"),
+    ("fourth (shipped, gamma 3)", "models/smollm2-135m-instruct-dflash/training.json"),
 ]
+CONTINUED_FROM = "third"
 CONTINUED = "bench/results/training/smollm2_continued_training.json"
 
 
@@ -32,9 +34,9 @@ def main(out: str = "docs/img/drafter_training.png") -> None:
     for label, summary in runs:
         x, y = curve(summary)
         left.plot(x, y, marker="o", ms=3, label=f"{label}: {summary['num_train_examples']} answers")
-    shipped = runs[-1][1]
-    done = shipped["config"]["steps"] * shipped["config"]["batch_sequences"] * \
-        shipped["config"]["blocks_per_sequence"] / 1e6
+    base = dict(runs)[CONTINUED_FROM]
+    done = base["config"]["steps"] * base["config"]["batch_sequences"] * \
+        base["config"]["blocks_per_sequence"] / 1e6
     cont = json.loads(Path(CONTINUED).read_text())
     x, y = curve(cont, offset=done)
     left.plot(x, y, marker="s", ls="none", label="third + continuation (not shipped)")
@@ -43,7 +45,7 @@ def main(out: str = "docs/img/drafter_training.png") -> None:
     left.set(xlabel="training blocks seen (millions)", ylabel="held-out tau (64 eval_in, simulated)",
              title="Acceptance length during training", ylim=(1, 3.7))
     left.legend(fontsize=8, loc="lower right")
-    names = [label for label, _ in runs] + ["continued"]
+    names = [label.split(" (")[0] for label, _ in runs] + ["third +\ncontinued"]
     summaries = [s for _, s in runs] + [cont]
     for i, split in enumerate(("eval_in", "eval_unseen")):
         taus = [s["eval"][split]["tau"] for s in summaries]

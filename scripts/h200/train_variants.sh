@@ -3,7 +3,7 @@
 # shipped drafter trained side by side, one per GPU (the shipped recipe plus each variant's
 # flags), then simulated tau of both and of the shipped drafter.
 #   STOP=480 bash scripts/h200/train_variants.sh train   (again to resume: checkpoints in out/)
-#   bash scripts/h200/train_variants.sh eval
+#   bash scripts/h200/train_variants.sh eval   (EVAL_LENGTHS="96 0": answer tokens simulated; 0 = whole)
 # Variants: VAR_A / VAR_B (extra train-draft flags).
 set -u
 PHASE=$1
@@ -30,7 +30,7 @@ train_one() {   # NAME GPU FLAGS...
 }
 
 eval_one() {    # NAME GPU DRAFTER
-  for n in 96 0; do
+  for n in ${EVAL_LENGTHS:-96 0}; do
     CUDA_VISIBLE_DEVICES=$2 python3 -m bench.simulated_tau --work out/work --device cuda \
       --draft-model "$3" --per-split 128 --max-new-tokens $n \
       --out "$OUT/simulated_$1_$n.json" 2>&1 | tail -1 | sed "s/^/$1 max_new_tokens=$n /"
@@ -44,7 +44,7 @@ train)
   # shellcheck disable=SC2086
   train_one B 1 $VAR_B &
   wait
-  tail -6 out/train_A.log out/train_B.log ;;
+  tail -n 8 out/train_A.log out/train_B.log ;;
 eval)
   eval_one A 0 out/drafter_A &
   eval_one B 1 out/drafter_B &
