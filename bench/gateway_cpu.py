@@ -318,12 +318,13 @@ concurrency 32 one target iteration serves every sequence's Verify, so each hand
 whole iteration). What the gateway adds - its own work plus the round trips beyond the handlers -
 is a few milliseconds per step and a few percent of it; it grows with concurrency mostly because
 the three processes share two cores (event-loop and CPU waits show up as wire time). The DFlash
-rows use the drafter shipped for SmolLM2 (models/smollm2-135m-instruct-dflash); its acceptance
-length (about 2.1 here) is below what pays: on this CPU a 135M fp32 model decodes in about one
-weight read per token while a 16-token verify costs about 1.8 decode steps and a propose about 0.5
-more, so speculation with it still costs more than it saves (see "Trained DFlash drafter" below); prompt
-lookup pays off on copy-like answers and costs a little on open chat. `dflash up` spreads one
-request over three processes, which transformers in one process does not pay for."""
+rows use the drafter shipped for SmolLM2 (models/smollm2-135m-instruct-dflash) at the CPU's
+default verify block of 4 tokens (`dflash up` on the CPU; see "CPU compute" for why a verify of
+up to 4 tokens costs about one decode step there). Prompt lookup pays off on copy-like answers
+and costs a little on open chat. `dflash up` spreads one request over three processes, which
+transformers in one process does not pay for; its speed over transformers comes from the engine
+(oneDNN / MKL GEMM choice, one OpenMP pool per process, short idle spinning) and, on top, from
+the drafter."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 BENCHES = [
+    ["bench.cpu_gemm"],
     ["bench.target_cpu"],
     ["bench.draft_cpu"],
     ["bench.hybrid_cpu"],
