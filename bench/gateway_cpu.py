@@ -149,12 +149,13 @@ def step_breakdown(before: dict, after: dict) -> dict:
 
 
 def overhead(drafter: str, prompts: list[list[int]], max_tokens: int, min_requests: int,
-             log_dir: Path) -> list[dict]:
+             log_dir: Path, levels: tuple[int, ...] = LEVELS, **options) -> list[dict]:
+    """Per concurrency level: throughput and the step's parts (options: more StackOptions)."""
     rows = []
-    with Services(drafter, log_dir / f"overhead-{drafter}") as svc:
+    with Services(drafter, log_dir / f"overhead-{drafter}", **options) as svc:
         address = f"127.0.0.1:{svc.opts.port}"
         asyncio.run(drive(address, prompts[:2], 2, 8))                       # warm-up
-        for c in LEVELS:
+        for c in levels:
             batch = [prompts[i % len(prompts)] for i in range(max(c, min_requests))]
             before = svc.snapshot()
             tokens, seconds = asyncio.run(drive(address, batch, c, max_tokens))

@@ -25,6 +25,9 @@ DEFAULT_DRAFTER = "dflash"
 # costs about one decode step (runtime/layers/linear.py) and each larger block costs more than
 # its extra accepted drafts bring (docs/benchmarks.md, "CPU compute"). On a GPU: the trained block.
 CPU_DFLASH_BLOCK = 4
+# ... and above this many running requests it stops drafting: the autoregressive stack batches
+# its one-token verifies, while speculative blocks are compute-bound on a CPU (docs/benchmarks.md).
+CPU_SPEC_DISABLE_BATCH = 2
 # The DFlash drafter trained by this project for SmolLM2-135M-Instruct (models/ in the repo).
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
 DRAFTERS = ("dflash", "prompt-lookup", "none")
@@ -45,6 +48,7 @@ class StackOptions:
     drafter: str = DEFAULT_DRAFTER
     draft_model: str = ""              # dflash: checkpoint dir ("" = the shipped one for SmolLM2)
     block_size: int = 0
+    spec_disable_batch_size: int = -1  # gateway's; -1 = CPU_SPEC_DISABLE_BATCH for dflash on the CPU, else 0
     wire: str = ""                     # gateway --wire ("" = its default)
     log_dir: str = ""
     ready_timeout_s: float = 600.0
@@ -136,6 +140,7 @@ class Stack:
                 "--draft", f"{o.host}:{o.draft_port}" if o.drafter != "none" else "",
                 "--tokenizer", self.model_dir, "--port", port, "--http-port", http_port,
                 "--host", o.host, "--block-size", self.verify_block(),
+                "--spec-disable-batch-size", self.spec_disable_batch(),
                 *(("--wire", o.wire) if o.wire else ()), *o.gateway_args, *extra]
 
     def verify_block(self) -> int:
@@ -145,6 +150,14 @@ class Stack:
         if o.block_size or o.drafter != "dflash" or o.device != "cpu":
             return o.block_size
         return CPU_DFLASH_BLOCK
+
+    def spec_disable_batch(self) -> int:
+        """The gateway's --spec-disable-batch-size: the option, else CPU_SPEC_DISABLE_BATCH for
+        a DFlash drafter on the CPU, else 0 (always draft)."""
+        o = self.opts
+        if o.spec_disable_batch_size >= 0:
+            return o.spec_disable_batch_size
+        return CPU_SPEC_DISABLE_BATCH if o.drafter == "dflash" and o.device == "cpu" else 0
 
     def add_gateway(self, name: str, port: int, http_port: int, *extra: str) -> Child:
         """Starts one more gateway on the running target and draft (benchmarks: another wire);
@@ -293,6 +306,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=0,
                    help=f"verify block size (0 = {CPU_DFLASH_BLOCK} for dflash on the CPU, else the "
                         f"draft's trained block)")
+    p.add_argument("--spec-disable-batch-size", type=int, default=-1,
+                   help=f"above this many running requests the gateway stops drafting (-1 = "
+                        f"{CPU_SPEC_DISABLE_BATCH} for dflash on the CPU, else 0 = always draft)")
     p.add_argument("--wire", default="", choices=("unary", "stream"),
                    help="gateway --wire: Propose/Verify as unary RPCs or on one stream per "
                         "upstream (default: the gateway's)")
@@ -306,6 +322,7 @@ def options_from_args(args: argparse.Namespace, **overrides) -> StackOptions:
         draft_port=args.draft_port, target_metrics_port=args.target_metrics_port,
         draft_metrics_port=args.draft_metrics_port, model_dir=args.model, dtype=args.dtype,
         drafter=args.drafter, draft_model=args.draft_model, block_size=args.block_size,
+        spec_disable_batch_size=args.spec_disable_batch_size,
         wire=args.wire, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout,
         device=args.device, attention_backend=args.attention_backend, **overrides)
 

@@ -197,8 +197,14 @@ class Generation:
         return event
 
     def _block_size(self, spec: Speculation) -> int:
-        """B = min(requested or default, max block, tokens still allowed, room in the context)."""
+        """B = min(requested or default, max block, tokens still allowed, room in the context);
+        1 (no drafting; the feed keeps the features) without a draft, or above
+        --spec-disable-batch-size running requests, where batched one-token verifies are worth
+        more than drafts on hardware that is compute-bound at large batches."""
         if spec.draft is None or self.draft_disabled or time.monotonic() < self.draft_paused_until:
+            return 1
+        limit = self.state.config.spec_disable_batch_size
+        if limit and self.state.running > limit:
             return 1
         room = self.state.target_caps.max_context - self.target_len
         wanted = self.req.block_size or spec.block_size

@@ -91,6 +91,7 @@ class GatewayService:
             ticket.close()
 
     def _publish_load(self, running: int, waiting: int) -> None:
+        self.state.running = running
         model = self.state.metrics_model
         metrics.RUNNING.labels(model, "gateway").set(running)
         metrics.WAITING.labels(model, "gateway").set(waiting)

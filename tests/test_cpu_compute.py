@@ -32,7 +32,7 @@ def test_auto_is_the_default_where_torch_has_onednn():
 
 
 @pytest.mark.parametrize("name", sorted(lin.CPU_GEMMS))
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 16, 70])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 16, 70, 1100])
 def test_every_gemm_computes_f_linear(gemm, name, rows):
     gemm(name)
     g = torch.Generator().manual_seed(rows)
@@ -48,6 +48,14 @@ def test_every_gemm_computes_f_linear(gemm, name, rows):
             x3 = torch.randn(*lead, 48, generator=g)
             torch.testing.assert_close(lin.linear(x3, w, b), F.linear(x3, w, b),
                                        rtol=1e-5, atol=1e-4)
+
+
+def test_onednn_sees_a_bounded_set_of_row_counts():
+    """oneDNN keeps memory per distinct shape for the life of the process: any batch's rows are
+    padded to one of a few dozen counts (more rows go to MKL)."""
+    counts = {lin.onednn_rows(m) for m in range(1, lin.ONEDNN_MAX_ROWS + 1)}
+    assert len(counts) <= 24 and max(counts) == lin.ONEDNN_MAX_ROWS
+    assert all(lin.onednn_rows(m) >= m for m in range(1, lin.ONEDNN_MAX_ROWS + 1))
 
 
 def test_gradients_and_other_dtypes_take_f_linear(gemm):

@@ -142,3 +142,22 @@ def test_verify_block_defaults_to_the_cpu_block_for_dflash_on_the_cpu(tmp_path):
     assert gateway_block(device="cuda", attention_backend="triton") == 0
     assert gateway_block(drafter="prompt-lookup") == 0
     assert gateway_block(drafter="none") == 0
+
+
+def test_drafting_stops_above_a_batch_size_by_default_on_the_cpu(tmp_path):
+    """--spec-disable-batch-size -1: CPU_SPEC_DISABLE_BATCH for dflash on the CPU, else 0 (always
+    draft); an explicit value always wins."""
+    from gateway.launcher import CPU_SPEC_DISABLE_BATCH, Stack, StackOptions
+    from runtime.prepare.smollm2 import prepare_smollm2
+    model = str(prepare_smollm2(["float32"], progress=False)["float32"])
+
+    def limit(**options) -> int:
+        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), **options))
+        argv = {c.name: c.argv for c in stack.plan()}["gateway"]
+        return int(argv[argv.index("--spec-disable-batch-size") + 1])
+
+    assert limit() == CPU_SPEC_DISABLE_BATCH > 0
+    assert limit(spec_disable_batch_size=0) == 0
+    assert limit(spec_disable_batch_size=8) == 8
+    assert limit(device="cuda", attention_backend="triton") == 0
+    assert limit(drafter="none") == 0

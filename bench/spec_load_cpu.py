@@ -1,0 +1,72 @@
+"""python -m bench.spec_load_cpu: when speculation stops paying on this CPU as concurrent requests
+grow. The stack as `dflash up` runs it (target, draft, gateway processes), requests through the
+gateway's gRPC API (greedy, fixed length), at several concurrency levels, for: the DFlash
+drafter drafting at every load (--spec-disable-batch-size 0), the stack's default (drafting
+stops above CPU_SPEC_DISABLE_BATCH running requests) and no drafter. Writes
+bench/results/spec_load_cpu.json and its section of docs/benchmarks.md."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.gateway_cpu import CHATS, COPY_TASKS, overhead
+from bench.report import add_output_flags, machine, render_only, save
+
+SECTION = "## Speculation under load (CPU)"
+LEVELS = (1, 2, 3, 4, 8)
+CONFIGS = {  # label -> (drafter, gateway --spec-disable-batch-size; -1 = the launcher's default)
+    "dflash, drafting at every load": ("dflash", 0),
+    "dflash, `dflash up` default": ("dflash", -1),
+    "none (autoregressive)": ("none", -1),
+}
+
+
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    levels = [str(c) for c in r["levels"]]
+    lines = [SECTION, "",
+             (f"`{r['command']}` (results: `bench/results/spec_load_cpu.json`). Machine: "
+              f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}; {r['date']}. Tokens/s over "
+              f"all requests, {r['max_tokens']} tokens each (EOS ignored), greedy, verify block "
+              f"4, through the gateway's gRPC API; `dflash up` stops drafting above "
+              f"{r['cpu_spec_disable_batch']} running requests."), "",
+             "| configuration | " + " | ".join(f"{c} at once" for c in levels) + " |",
+             "|---|" + "---|" * len(levels)]
+    for label, rows in r["configs"].items():
+        by = {str(row["concurrency"]): row["tokens_per_s"] for row in rows}
+        lines.append(f"| {label} | " + " | ".join(f"{by[c]:.1f}" for c in levels) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.spec_load_cpu",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--max-tokens", type=int, default=64)
+    add_output_flags(p, "spec_load_cpu")
+    args = p.parse_args(argv)
+    if render_only(args, SECTION, markdown):
+        return
+    from gateway.launcher import CPU_SPEC_DISABLE_BATCH
+    from runtime.prepare.smollm2 import prepare_smollm2
+    from runtime.tokenizer import ChatTokenizer
+    tok = ChatTokenizer(prepare_smollm2(["float32"], progress=False)["float32"])
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))
+               for t in CHATS + COPY_TASKS]
+    result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
+                    "command": "python -m bench.spec_load_cpu " + " ".join(argv or sys.argv[1:]),
+                    "max_tokens": args.max_tokens, "levels": list(LEVELS),
+                    "cpu_spec_disable_batch": CPU_SPEC_DISABLE_BATCH, "configs": {}}
+    with tempfile.TemporaryDirectory(prefix="bench-spec-load-") as tmp:
+        for label, (drafter, limit) in CONFIGS.items():
+            result["configs"][label] = overhead(drafter, prompts, args.max_tokens, 6,
+                                                Path(tmp) / label.split(",")[0], LEVELS,
+                                                spec_disable_batch_size=limit)
+    save(result, Path(args.out), Path(args.doc), SECTION, markdown)
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
