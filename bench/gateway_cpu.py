@@ -319,9 +319,10 @@ concurrency 32 one target iteration serves every sequence's Verify, so each hand
 whole iteration). What the gateway adds - its own work plus the round trips beyond the handlers -
 is a few milliseconds per step and a few percent of it; it grows with concurrency mostly because
 the three processes share two cores (event-loop and CPU waits show up as wire time). The DFlash
-rows use the drafter shipped for SmolLM2 (models/smollm2-135m-instruct-dflash) at the CPU's
-default verify block of 4 tokens (`dflash up` on the CPU; see "CPU compute" for why a verify of
-up to 4 tokens costs about one decode step there). Prompt lookup pays off on copy-like answers
+rows use the drafter shipped for SmolLM2 (models/smollm2-135m-instruct-dflash) with `dflash up`'s
+CPU defaults: a verify block of 4 tokens (see "CPU compute" for why a verify of up to 4 tokens
+costs about one decode step there), and drafting only while one request is running, so at
+concurrency 8 and 32 those rows run autoregressively (see "Speculation under load"). Prompt lookup pays off on copy-like answers
 and costs a little on open chat. `dflash up` spreads one request over three processes, which
 transformers in one process does not pay for; its speed over transformers comes from the engine
 (oneDNN / MKL GEMM choice, one OpenMP pool per process, short idle spinning) and, on top, from

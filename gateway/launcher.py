@@ -27,7 +27,7 @@ DEFAULT_DRAFTER = "dflash"
 CPU_DFLASH_BLOCK = 4
 # ... and above this many running requests it stops drafting: the autoregressive stack batches
 # its one-token verifies, while speculative blocks are compute-bound on a CPU (docs/benchmarks.md).
-CPU_SPEC_DISABLE_BATCH = 2
+CPU_SPEC_DISABLE_BATCH = 1
 # The DFlash drafter trained by this project for SmolLM2-135M-Instruct (models/ in the repo).
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
 DRAFTERS = ("dflash", "prompt-lookup", "none")
