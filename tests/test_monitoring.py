@@ -231,7 +231,10 @@ def _launch(tmp: Path) -> tuple[subprocess.Popen, dict[str, int], Path]:
          "--http-port", str(ports["http"]), "--port", str(ports["grpc"]),
          "--target-port", str(ports["target"]), "--draft-port", str(ports["draft"]),
          "--target-metrics-port", str(ports["tm"]), "--draft-metrics-port", str(ports["dm"]),
-         "--drafter", "dflash", "--draft-model", str(DRAFTER), "--log-dir", str(tmp / "logs")],
+         "--drafter", "dflash", "--draft-model", str(DRAFTER), "--log-dir", str(tmp / "logs"),
+         # every request drafts, also the overlapping ones (on the CPU `dflash up` otherwise
+         # drafts only while one request runs): the dashboards and logs below follow drafts
+         "--spec-disable-batch-size", "0"],
         cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
         start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "DFLASH_LOG_LEVEL": "DEBUG"})
