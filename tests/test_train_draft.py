@@ -37,7 +37,7 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
     out = tmp_path / "drafter"
     cmd = [sys.executable, "-m", "dflash.cli", "train-draft", "--target", str(tiny_chat_target),
            "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu",
-           "--dtype", "float32", "--mask-token-id", "16", "--layers", "1", "--taps", "2",
+           "--dtype", "float32", "--mask-token-id", "16", "--layers", "1", "--target-layer-ids", "1", "5",
            "--block-size", "8", "--steps", "60", "--batch-sequences", "4",
            "--blocks-per-sequence", "8", "--lr", "3e-2", "--max-new-tokens", "24",
            "--limit-prompts", "12", "--limit-eval", "3", "--eval-sequences", "3",
@@ -56,9 +56,20 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
     assert {p.name for p in (tmp_path / "work").glob("train_*.jsonl")} == {
         "train_t0.0.jsonl", "train_t0.7.jsonl", "train_t0.7_s1.jsonl"}
     cfg = DFlashConfig.from_dir(out)
-    assert cfg.block_size == 8 and cfg.mask_token_id == 16 and len(cfg.target_layer_ids) == 2
+    assert cfg.block_size == 8 and cfg.mask_token_id == 16 and cfg.target_layer_ids == (1, 5)
     draft = start_draft(tiny_chat_target, tmp_path, model_dir=out)
     try:
         assert draft.proc.poll() is None
     finally:
         draft.stop()
+
+
+def test_train_draft_refuses_layer_ids_outside_the_target_before_generating(tiny_chat_target,
+                                                                            tmp_path):
+    cmd = [sys.executable, "-m", "dflash.cli", "train-draft", "--target", str(tiny_chat_target),
+           "--out", str(tmp_path / "drafter"), "--device", "cpu", "--mask-token-id", "16",
+           "--target-layer-ids", "1", "6"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "target layer ids [1, 6] must be distinct ids in [0, 6)" in done.stderr
+    assert not (tmp_path / "work").exists()          # refused before any answer was generated

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="", help="default: triton on cuda, torch on cpu")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--taps", type=int, default=5, help="target layers tapped for features")
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, metavar="L",
+                   help="tapped target layers, each in [0, target layers) (default: --taps ids "
+                        "spread over [1, layers-3], DFlash's rule)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mask-token-id", type=int, required=True)
     p.add_argument("--steps", type=int, default=16000)
@@ -108,13 +111,33 @@ def _generate(args, prompts: list, temperature: float, seed: int) -> list[Exampl
 
 
 def run(args: argparse.Namespace) -> int:
+    from runtime.config import read_config_json
     from services.common.logs import setup_logging
     from services.draft.training.prompts import load_prompts
     from services.draft.training.report import evaluate_splits, write_card
-    from services.draft.training.trainer import TrainConfig, train
+    from services.draft.training.trainer import TrainConfig, tapped_layers, train
     setup_logging("INFO", "train-draft")
     out = Path(args.out)
     work = Path(args.work) if args.work else out.parent / "work"
+    cfg = TrainConfig(target_dir=args.target, out_dir=str(out), num_layers=args.layers,
+                      block_size=args.block_size, num_taps=args.taps,
+                      target_layer_ids=tuple(args.target_layer_ids or ()),
+                      mask_token_id=args.mask_token_id, steps=args.steps,
+                      batch_sequences=args.batch_sequences,
+                      blocks_per_sequence=args.blocks_per_sequence, lr=args.lr,
+                      gamma=args.gamma, anchor_window=args.anchor_window,
+                      eval_sequences=min(args.eval_sequences, 64), seed=args.seed,
+                      greedy_labels=args.labels == "greedy", eval_every=args.eval_every,
+                      device=args.device,
+                      checkpoint=args.checkpoint or str(work / "checkpoint.pt"),
+                      stop_after_seconds=args.stop_after, cache_features=args.cache_features,
+                      init_from=args.init_from,
+                      feature_backend="triton" if args.device.startswith("cuda") else "torch")
+    try:
+        tapped_layers(cfg, int(read_config_json(args.target)["num_hidden_layers"]))
+    except ValueError as e:
+        print(f"train-draft: {e}", file=sys.stderr)
+        return 2
     work.mkdir(parents=True, exist_ok=True)
     folder = args.prompts or None
     train_prompts = load_prompts("train", folder)
@@ -132,19 +155,6 @@ def run(args: argparse.Namespace) -> int:
             examples += answers(args, "train", args.sampled_temperature, train_prompts, work, k)
     if args.generate_only:
         return 0
-    cfg = TrainConfig(target_dir=args.target, out_dir=str(out), num_layers=args.layers,
-                      block_size=args.block_size, num_taps=args.taps,
-                      mask_token_id=args.mask_token_id, steps=args.steps,
-                      batch_sequences=args.batch_sequences,
-                      blocks_per_sequence=args.blocks_per_sequence, lr=args.lr,
-                      gamma=args.gamma, anchor_window=args.anchor_window,
-                      eval_sequences=min(args.eval_sequences, 64), seed=args.seed,
-                      greedy_labels=args.labels == "greedy", eval_every=args.eval_every,
-                      device=args.device,
-                      checkpoint=args.checkpoint or str(work / "checkpoint.pt"),
-                      stop_after_seconds=args.stop_after, cache_features=args.cache_features,
-                      init_from=args.init_from,
-                      feature_backend="triton" if args.device.startswith("cuda") else "torch")
     result = train(cfg, examples, held["eval_in"])
     if not result.finished:
         log.info("training paused at step %d of %d (%.0f s so far); run the same command again "

@@ -78,6 +78,17 @@ def default_taps(num_target_layers: int, k: int) -> tuple[int, ...]:
     return tuple(int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k))
 
 
+def tapped_layers(cfg: TrainConfig, num_target_layers: int) -> tuple[int, ...]:
+    """cfg's explicit ids (checked: distinct, each in [0, T)) or default_taps. ValueError."""
+    ids = cfg.target_layer_ids
+    if not ids:
+        return default_taps(num_target_layers, cfg.num_taps)
+    if len(set(ids)) != len(ids) or not all(0 <= i < num_target_layers for i in ids):
+        raise ValueError(f"target layer ids {list(ids)} must be distinct ids in "
+                         f"[0, {num_target_layers}) (the target has {num_target_layers} layers)")
+    return tuple(ids)
+
+
 def draft_config_dict(cfg: TrainConfig, target_raw: dict, taps: tuple[int, ...]) -> dict:
     """Qwen3-style layers shaped like the target's (hidden, heads, head_dim, FFN)."""
     hidden = int(target_raw["hidden_size"])
@@ -229,7 +240,7 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     target_raw = read_config_json(cfg.target_dir)
-    taps = cfg.target_layer_ids or default_taps(int(target_raw["num_hidden_layers"]), cfg.num_taps)
+    taps = tapped_layers(cfg, int(target_raw["num_hidden_layers"]))
     raw = draft_config_dict(cfg, target_raw, taps)
     dcfg = DFlashConfig.from_dict(raw)
     draft = build_empty(DFlashDraftModel, dcfg, cfg.device, torch.float32)
