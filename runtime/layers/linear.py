@@ -39,50 +39,65 @@ ONEDNN_MAX_ROWS = 1024
 
 def onednn_rows(rows: int) -> int:
     """The row count oneDNN computes for `rows`: itself up to 8, else up to a multiple of 8
-    (<= 64) or of 64. oneDNN
-    builds and keeps a primitive per distinct shape and the process never gets that memory back
-    (about 0.6 MB per shape measured: +900 MB over 1 500 shapes), so the shapes of a serving
-    process, whose batches have any number of rows, are kept to a few dozen per weight."""
+    (<= 64) or of 64. oneDNN builds and keeps a primitive per distinct shape and the process
+    never gets that memory back (about 0.6 MB per shape measured: +900 MB over 1 500 shapes), so
+    the shapes of a serving process, whose batches have any number of rows, are kept to a few
+    dozen per weight."""
     if rows <= 8:
         return rows
     return -(-rows // 8) * 8 if rows <= 64 else -(-rows // 64) * 64
 
 
-def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K], weight [N, K] (dense), bias [N] or None -> [..., N] (no autograd): oneDNN on
-    rows padded to onednn_rows, MKL (F.linear) above ONEDNN_MAX_ROWS."""
+PADDED_ROWS = {1: 2, 2: 2, 3: 4, 4: 4}     # rows -> rows computed by _weight_left_2d
+
+
+def _rows(x: torch.Tensor) -> int:
+    """Rows of x [..., K] seen as a matrix [rows, K]."""
     k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    if not 0 < rows <= ONEDNN_MAX_ROWS:
-        return F.linear(x, weight, bias)
-    flat = x.reshape(rows, k)
-    padded = onednn_rows(rows)
-    if padded != rows:
-        flat = torch.cat([flat, flat.new_zeros(padded - rows, k)])
-    y = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")[:rows]
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return x.numel() // k if k else 0
 
 
-PADDED_ROWS = {1: 2, 2: 2, 3: 4, 4: 4}     # rows -> rows computed by _weight_left
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [M, K] -> [rows, K] (rows >= M), zero rows appended; x itself when rows == M."""
+    return x if rows == x.shape[0] else F.pad(x, (0, 0, 0, rows - x.shape[0]))
 
 
-def _weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                 ) -> torch.Tensor:
+def _onednn_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+               ) -> torch.Tensor:
+    """x [M, K] with 0 < M <= ONEDNN_MAX_ROWS -> [M, N]: oneDNN on onednn_rows(M) rows."""
+    m = x.shape[0]
+    return torch.ops.mkldnn._linear_pointwise(_pad_rows(x, onednn_rows(m)), weight, bias,
+                                              "none", [], "")[:m]
+
+
+def _weight_left_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                    ) -> torch.Tensor:
     """x [M, K] with M in PADDED_ROWS -> [M, N] contiguous, computed as W [N, K] · xᵀ."""
     m = x.shape[0]
-    if PADDED_ROWS[m] != m:
-        x = torch.cat([x, x.new_zeros(PADDED_ROWS[m] - m, x.shape[1])])
-    y = (weight @ x.t()).t()[:m].contiguous()
+    y = (weight @ _pad_rows(x, PADDED_ROWS[m]).t()).t()[:m].contiguous()
     return y + bias if bias is not None else y
 
 
-def _auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] -> [..., N]: _weight_left at 1..4 rows, oneDNN above."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows not in PADDED_ROWS:
-        return _onednn(x, weight, bias)
-    y = _weight_left(x.reshape(rows, x.shape[-1]), weight, bias)
+def _as_rows(gemm_2d: Gemm, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+             ) -> torch.Tensor:
+    """x [..., K] through a GEMM of [rows, K] matrices -> [..., N]."""
+    y = gemm_2d(x.reshape(_rows(x), x.shape[-1]), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K], weight [N, K] (dense), bias [N] or None -> [..., N] (no autograd): oneDNN on
+    rows padded to onednn_rows, MKL (F.linear) above ONEDNN_MAX_ROWS."""
+    if not 0 < _rows(x) <= ONEDNN_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    return _as_rows(_onednn_2d, x, weight, bias)
+
+
+def _auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: W · xᵀ at 1..4 rows, oneDNN above."""
+    if _rows(x) not in PADDED_ROWS:
+        return _onednn(x, weight, bias)
+    return _as_rows(_weight_left_2d, x, weight, bias)
 
 
 CPU_GEMMS: dict[str, Gemm] = {"torch": F.linear}
