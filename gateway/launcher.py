@@ -143,21 +143,24 @@ class Stack:
                 "--spec-disable-batch-size", self.spec_disable_batch(),
                 *(("--wire", o.wire) if o.wire else ()), *o.gateway_args, *extra]
 
+    @property
+    def dflash_on_cpu(self) -> bool:
+        """A DFlash drafter on the CPU: the case that takes the CPU_* gateway defaults."""
+        return self.opts.drafter == "dflash" and self.opts.device == "cpu"
+
     def verify_block(self) -> int:
         """The gateway's default verify block: --block-size, else CPU_DFLASH_BLOCK for a DFlash
         drafter on the CPU, else 0 (the draft's trained block)."""
-        o = self.opts
-        if o.block_size or o.drafter != "dflash" or o.device != "cpu":
-            return o.block_size
+        if self.opts.block_size or not self.dflash_on_cpu:
+            return self.opts.block_size
         return CPU_DFLASH_BLOCK
 
     def spec_disable_batch(self) -> int:
         """The gateway's --spec-disable-batch-size: the option, else CPU_SPEC_DISABLE_BATCH for
         a DFlash drafter on the CPU, else 0 (always draft)."""
-        o = self.opts
-        if o.spec_disable_batch_size >= 0:
-            return o.spec_disable_batch_size
-        return CPU_SPEC_DISABLE_BATCH if o.drafter == "dflash" and o.device == "cpu" else 0
+        if self.opts.spec_disable_batch_size >= 0:
+            return self.opts.spec_disable_batch_size
+        return CPU_SPEC_DISABLE_BATCH if self.dflash_on_cpu else 0
 
     def add_gateway(self, name: str, port: int, http_port: int, *extra: str) -> Child:
         """Starts one more gateway on the running target and draft (benchmarks: another wire);
