@@ -70,10 +70,7 @@ def _worker():
     from services.target.config import TargetConfig
     from services.target.worker import TargetWorker
     target = str(prepare_smollm2(["float32"], progress=False)["float32"])
-    w = TargetWorker(TargetConfig(model_dir=target, max_block_size=16))
-    w.alloc_memory_pools()
-    w.init_attention_backends()
-    w.mark_ready()
+    w = TargetWorker.started(TargetConfig(model_dir=target, max_block_size=16))
     table = PageTable()
     w.kv_cache.ensure(table, PREFIX + 32)
     w.forward([SeqSlice(table, 0, PREFIX)], torch.randint(0, 1000, (PREFIX,)),

@@ -112,11 +112,9 @@ def target_steps(tdir: Path, device: str, rec: Recorder, batches, blocks, ctx: i
     from services.target.config import TargetConfig
     from services.target.worker import TargetWorker
     dtype = "bfloat16" if device == "cuda" else "float32"
-    w = TargetWorker(TargetConfig(model_dir=str(tdir), device=device, dtype=dtype,
+    w = TargetWorker.started(TargetConfig(model_dir=str(tdir), device=device, dtype=dtype,
                                   attention_backend=backend, kv_budget_bytes=(24 << 30) if device == "cuda" else (64 << 20),
                                   max_block_size=16))
-    w.alloc_memory_pools()
-    w.init_attention_backends()
     out = {}
     for bs in batches:
         tables = [PageTable() for _ in range(bs)]

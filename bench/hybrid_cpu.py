@@ -49,11 +49,8 @@ def write_models(root: Path) -> dict[str, Path]:
 
 
 def load(model_dir: Path, slots: int, max_block: int) -> TargetWorker:
-    worker = TargetWorker(TargetConfig(model_dir=str(model_dir), kv_budget_bytes=256 << 20,
-                                       state_slots=slots, max_block_size=max_block))
-    worker.alloc_memory_pools()
-    worker.init_attention_backends()
-    return worker
+    return TargetWorker.started(TargetConfig(model_dir=str(model_dir), kv_budget_bytes=256 << 20,
+                                             state_slots=slots, max_block_size=max_block))
 
 
 class Seq:

@@ -97,11 +97,8 @@ class EngineBench:
 
     def __init__(self, model_dir: Path, reference: TransformersReference | None = None) -> None:
         self.reference = reference
-        self.worker = TargetWorker(TargetConfig(model_dir=str(model_dir), dtype="float32",
-                                                kv_budget_bytes=256 << 20))
-        self.worker.alloc_memory_pools()
-        self.worker.init_attention_backends()
-        self.worker.mark_ready()
+        self.worker = TargetWorker.started(TargetConfig(model_dir=str(model_dir), dtype="float32",
+                                                        kv_budget_bytes=256 << 20))
         self.engine = TargetEngine(self.worker)
         self.engine.start()
 

@@ -98,6 +98,17 @@ class TargetWorker:
         return self.stage == "ready"
 
     # -- start-up stages -----------------------------------------------------------------
+    @classmethod
+    def started(cls, config: TargetConfig) -> TargetWorker:
+        """A worker taken through every start-up stage in order (weights, pools, backends,
+        ready) on this thread: for benchmarks and in-process tools. The service runs the same
+        stages one at a time and reports its health between them."""
+        worker = cls(config)
+        worker.alloc_memory_pools()
+        worker.init_attention_backends()
+        worker.mark_ready()
+        return worker
+
     def alloc_memory_pools(self) -> None:
         cfg = self.model.cfg
         state_bytes = 0

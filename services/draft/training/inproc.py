@@ -44,11 +44,7 @@ class Engines:
 
 
 def start_engines(target_cfg: TargetConfig, draft_cfg: DraftConfig | None) -> Engines:
-    worker = TargetWorker(target_cfg)
-    worker.alloc_memory_pools()
-    worker.init_attention_backends()
-    worker.mark_ready()
-    target = TargetEngine(worker)
+    target = TargetEngine(TargetWorker.started(target_cfg))
     target.start()
     draft = None
     if draft_cfg is not None:
