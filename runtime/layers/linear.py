@@ -59,7 +59,7 @@ def _rows(x: torch.Tensor) -> int:
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """x [M, K] -> [rows, K] (rows >= M), zero rows appended; x itself when rows == M."""
-    return x if rows == x.shape[0] else F.pad(x, (0, 0, 0, rows - x.shape[0]))
+    return x if rows == x.shape[0] else torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
 
 
 def _onednn_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -78,26 +78,28 @@ def _weight_left_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y + bias if bias is not None else y
 
 
-def _as_rows(gemm_2d: Gemm, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-             ) -> torch.Tensor:
-    """x [..., K] through a GEMM of [rows, K] matrices -> [..., N]."""
-    y = gemm_2d(x.reshape(_rows(x), x.shape[-1]), weight, bias)
+def _as_rows(gemm_2d: Gemm, x: torch.Tensor, rows: int, weight: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] (rows = _rows(x)) through a GEMM of [rows, K] matrices -> [..., N]."""
+    y = gemm_2d(x.reshape(rows, x.shape[-1]), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K], weight [N, K] (dense), bias [N] or None -> [..., N] (no autograd): oneDNN on
     rows padded to onednn_rows, MKL (F.linear) above ONEDNN_MAX_ROWS."""
-    if not 0 < _rows(x) <= ONEDNN_MAX_ROWS:
+    rows = _rows(x)
+    if not 0 < rows <= ONEDNN_MAX_ROWS:
         return F.linear(x, weight, bias)
-    return _as_rows(_onednn_2d, x, weight, bias)
+    return _as_rows(_onednn_2d, x, rows, weight, bias)
 
 
 def _auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] -> [..., N]: W · xᵀ at 1..4 rows, oneDNN above."""
-    if _rows(x) not in PADDED_ROWS:
+    rows = _rows(x)
+    if rows not in PADDED_ROWS:
         return _onednn(x, weight, bias)
-    return _as_rows(_weight_left_2d, x, weight, bias)
+    return _as_rows(_weight_left_2d, x, rows, weight, bias)
 
 
 CPU_GEMMS: dict[str, Gemm] = {"torch": F.linear}
