@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from runtime import threads
 from services.draft.config import DraftConfig
 from services.draft.dflash_drafter import DFlashDrafter
 from services.draft.engine import DraftEngine, ProposeCall
@@ -178,15 +179,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="bench/results/draft_cpu.json")
     p.add_argument("--steps", type=int, default=20, help="timed Propose steps per row")
     p.add_argument("--reps", type=int, default=5, help="timed 1 000-row appends")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="the engine thread's torch threads (0 = torch's default)")
     p.add_argument("--no-grpc", action="store_true", help="skip the gRPC round-trip row")
     args = p.parse_args(argv)
+    threads.serial()            # only the engine thread computes in parallel (runtime.threads)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        threads.COMPUTE_THREADS = args.threads
     from runtime.prepare.smollm2 import prepare_smollm2
     target = prepare_smollm2(["float32"], progress=False)["float32"]
     result: dict = {"machine": platform.platform(), "processor": platform.processor(),
-                    "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "threads": threads.COMPUTE_THREADS,
                     "target": "smollm2-135m-instruct fp32", "draft_dtype": "float32",
                     "feature_dtype": "bfloat16", "load_average_before": os.getloadavg(),
                     "propose": [], "append": []}

@@ -10,7 +10,8 @@ RUNS = [  # label, training.json
     ("first", "bench/results/training/smollm2_drafter1_training.json"),
     ("second", "bench/results/training/smollm2_drafter2_training.json"),
     ("third", "bench/results/training/smollm2_drafter3_training.json"),
-    ("fourth (shipped, gamma 3)", "models/smollm2-135m-instruct-dflash/training.json"),
+    ("fourth (gamma 3)", "bench/results/training/smollm2_drafter4_training.json"),
+    ("fifth (shipped, gamma 3, 24k steps)", "models/smollm2-135m-instruct-dflash/training.json"),
 ]
 CONTINUED_FROM = "third"
 CONTINUED = "bench/results/training/smollm2_continued_training.json"

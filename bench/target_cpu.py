@@ -25,15 +25,21 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from bench.report import machine, save
+from runtime import threads as compute_threads
 from runtime.sampling import SamplingConfig
 from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
 from services.target.worker import TargetWorker
+
+T = TypeVar("T")
 
 BLOCKS = (1, 4, 8, 16)
 PREFILL_LENGTHS = (64, 256, 1024)
@@ -42,22 +48,21 @@ CONTEXT = 256
 # cached (../shared/reference/cpu_measurements.md)
 HF_ANCHOR_MS = {1: 57.6, 2: 97.5, 4: 107.0, 8: 92.6, 16: 109.0, 32: 144.0, 64: 201.0}
 SECTION = "## Target service (CPU)"
-NOTES = """The row "transformers, same run" is the fairest comparison on a shared machine: the same
-forward (q tokens over 256 cached, all q rows of logits), timed in the same rounds.
-Where the time goes (torch profiler, SmolLM2 fp32, context 256): the GEMMs are 80-90 % of
-a verify at every block size (4 per layer - fused qkv, o, fused gate_up, down - and the
-49 152 x 576 LM head over all B rows, which acceptance needs); the paged K/V gather, RoPE,
-norms and SDPA together are about 10 %, and the engine's own Python (batching, acceptance) is
-under 1 ms. One verify(1) reads all 538 MB of weights, so it is memory-bound; verify(16) does
-16x the flops, and this CPU's sgemm at 16 rows reaches only 25-45 GFLOP/s per core, so on one
-thread verify(16) costs about 2.5-3.5x verify(1). The gap between medians and minima is the
-shared machine: with 2 OpenMP threads on 2 busy cores, every multi-row GEMM waits for its
-descheduled second thread (about one scheduler tick each), which hits B >= 2 and not the
-matrix-vector path of B = 1; rerun on a quiet machine before comparing medians.
+NOTES = """The row "transformers, same run" is the fairest comparison: the same forward (q tokens
+over 256 cached, all q rows of logits), timed in the same rounds and on the same thread - the
+engine's, which holds the process's one OpenMP pool (runtime/threads.py says why a second
+computing thread would slow both).
+Our engine's GEMMs go through the CPU GEMM registry of runtime/layers/linear.py (section "CPU
+compute: GEMM and threads"): MKL as W · xᵀ at 1-4 rows and oneDNN above, where transformers
+calls MKL as x · Wᵀ. That is most of the gap at every block size. A verify of 1-4 tokens costs
+about one decode step, which is why `dflash up` verifies blocks of 4 on the CPU.
+Where the time goes (torch profiler, measured before the GEMM registry): the GEMMs were 80-90 %
+of a verify at every block size (4 per layer - fused qkv, o, fused gate_up, down - and the
+49 152 x 576 LM head over all B rows, which acceptance needs); the paged K/V gather, RoPE, norms
+and SDPA together about 10 %, and the engine's own Python (batching, acceptance) under 1 ms.
 Changes made while measuring: GQA inside SDPA (no per-layer repeat_interleave copy of K/V),
 attention masks built once per forward instead of once per layer, and no mask at all for
-1-token queries. For blocks of 2-4 rows, `W @ x.T` beats `x @ W.T` by about 2x on this CPU
-(and loses at 16 rows); not used, since DFlash verifies blocks of 16."""
+1-token queries."""
 
 
 def summary(samples: list[float]) -> dict[str, float]:
@@ -95,28 +100,46 @@ class TransformersReference:
 class EngineBench:
     """The engine driven from one asyncio loop, as the servicer drives it."""
 
-    def __init__(self, model_dir: Path, reference: TransformersReference | None = None) -> None:
+    def __init__(self, model_dir: Path, threads: int,
+                 reference: TransformersReference | None = None) -> None:
         self.reference = reference
         self.worker = TargetWorker.started(TargetConfig(model_dir=str(model_dir), dtype="float32",
                                                         kv_budget_bytes=256 << 20))
         self.engine = TargetEngine(self.worker)
         self.engine.start()
+        self.on_engine_thread(lambda: compute_threads.parallel(threads))
 
     def close(self) -> None:
         self.engine.stop()
 
-    def _rewind(self, seq_id: str, seq_len: int) -> None:
-        """Back to seq_len committed tokens, on the engine thread (the owner of sequences)."""
+    def on_engine_thread(self, fn: Callable[[], T]) -> T:
+        """fn() on the engine thread, the owner of sequences and the process's one OpenMP pool
+        (runtime.threads): transformers' forward runs there too, so the two are timed on the
+        same pool. Blocks the caller (call it through asyncio.to_thread)."""
+        result: list = []
         done = threading.Event()
 
+        def run() -> None:
+            try:
+                result.append(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                result.append(e)
+            finally:
+                done.set()
+
+        self.engine.loop.call(run)
+        done.wait()
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        return result[0]
+
+    def _rewind(self, seq_id: str, seq_len: int) -> None:
+        """Back to seq_len committed tokens, on the engine thread."""
         def rewind() -> None:
             seq = self.engine.seqs[seq_id]
             seq.seq_len = seq_len
             self.worker.kv_cache.trim(seq.table, seq_len)
-            done.set()
-
-        self.engine.loop.call(rewind)
-        done.wait()
+        self.on_engine_thread(rewind)
 
     async def _verify_samples(self, repeats: int) -> dict[int, tuple[list[float], ...]]:
         """Rounds over all block sizes (interleaved, so all see the same machine load); per
@@ -133,7 +156,8 @@ class EngineBench:
                 await self.engine.verify(seq, tokens(block, 2))
                 elapsed = time.perf_counter() - t0
                 await asyncio.to_thread(self._rewind, seq, CONTEXT)  # after the step's bookkeeping
-                reference = self.reference.forward(block) if self.reference else None
+                reference = None if self.reference is None else await asyncio.to_thread(
+                    self.on_engine_thread, partial(self.reference.forward, block))
                 if k >= 2:
                     samples[block][0].append(elapsed)
                     samples[block][1].append(self.engine.stats.forward_seconds - stats)
@@ -262,18 +286,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="bench/results/target_cpu.json")
     p.add_argument("--doc", default="docs/benchmarks.md")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    compute_threads.serial()        # the engine thread computes (with --threads), nothing else
     if args.model:
         model_dir = Path(args.model)
     else:
         from runtime.prepare.smollm2 import prepare_smollm2
         model_dir = prepare_smollm2(["float32"], progress=False)["float32"]
-    result: dict = {"machine": machine(), "threads": torch.get_num_threads(),
+    result: dict = {"machine": machine(), "threads": args.threads,
                     "date": datetime.date.today().isoformat(), "repeats": args.repeats,
                     "command": "python -m bench.target_cpu " + " ".join(argv or sys.argv[1:]),
                     "model": str(model_dir), "shared": args.shared, "hf_anchor_ms": HF_ANCHOR_MS}
     reference = None if args.no_transformers else TransformersReference(model_dir)
-    bench = EngineBench(model_dir, reference)
+    bench = EngineBench(model_dir, args.threads, reference)
     try:
         result["verify"] = bench.verify(args.repeats)
         for row in result["verify"]:
