@@ -51,7 +51,7 @@ def main(out: str = "docs/img/drafter_training.png") -> None:
     for i, split in enumerate(("eval_in", "eval_unseen")):
         taus = [s["eval"][split]["tau"] for s in summaries]
         bars = right.bar([k + 0.38 * i for k in range(len(names))], taus, width=0.38, label=split)
-        right.bar_label(bars, fmt="%.3f", fontsize=7)
+        right.bar_label(bars, fmt="%.2f", fontsize=7)
     right.set_xticks([k + 0.19 for k in range(len(names))], names, fontsize=8)
     right.set(ylabel="tau (128 prompts, <= 384 tokens, simulated)", ylim=(0, 3.7),
               title="Final simulated tau per held-out split")
