@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import platform
 import random
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 
@@ -22,6 +24,8 @@ from services.draft.config import DraftConfig
 from services.draft.training.generate import chat_prompt_ids
 from services.draft.training.inproc import SpecResult, speculate, start_engines
 from services.target.config import TargetConfig
+
+log = logging.getLogger("dflash.eval")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,14 +44,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = asyncio.run(evaluate(args))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    from services.common.logs import setup_logging
+    setup_logging("INFO", "eval-draft")
+    result = asyncio.run(evaluate(args, on_progress=lambda partial: _write(args.out, partial)))
+    _write(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
     return 0
 
 
-async def evaluate(args: argparse.Namespace) -> dict:
+def _write(out: str, result: dict) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+async def evaluate(args: argparse.Namespace,
+                   on_progress: Callable[[dict], None] | None = None) -> dict:
+    """Every (split, temperature) run in turn. After each, on_progress gets the result so far
+    ("complete": false), so a run cut short keeps what it measured."""
     from services.draft.training.prompts import load_prompts
     target_dir = args.target or str(default_target(args.dtype))
     engines = start_engines(
@@ -57,7 +70,7 @@ async def evaluate(args: argparse.Namespace) -> dict:
                     dtype=args.dtype, lease_seconds=3600))
     tok = ChatTokenizer(target_dir)
     eos = set(engines.target.worker.facts.eos_token_ids)
-    runs = []
+    runs: list[dict] = []
     try:
         for split in args.splits:
             prompts = load_prompts(split)
@@ -65,11 +78,20 @@ async def evaluate(args: argparse.Namespace) -> dict:
                 prompts = random.Random(args.seed).sample(prompts, min(args.per_split, len(prompts)))
             for temp in args.temperatures:
                 runs.append(await _run_split(engines, tok, eos, split, prompts, temp, args))
+                log.info("eval-draft %s T=%s: tau %.3f over %d prompts in %.0f s", split, temp,
+                         runs[-1]["tau"], len(prompts), runs[-1]["seconds"])
+                if on_progress is not None:
+                    on_progress(_result(args, target_dir, runs, complete=False))
     finally:
         engines.stop()
+    return _result(args, target_dir, runs, complete=True)
+
+
+def _result(args: argparse.Namespace, target_dir: str, runs: list[dict], complete: bool) -> dict:
     return {"machine": platform.processor() or platform.machine(), "date": str(date.today()),
             "target": target_dir, "draft_model": args.draft_model,
             "block_size": args.block_size, "max_new_tokens": args.max_new_tokens,
+            "complete": complete,
             "summary": [{k: r[k] for k in ("split", "temperature", "tau", "per_category",
                                            "per_position", "identical_to_target")}
                         for r in runs], "runs": runs}
