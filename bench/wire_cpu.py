@@ -98,6 +98,8 @@ def serve(port: int) -> None:
 
 
 # -- part 1: the wire alone ---------------------------------------------------------------------
+# ONE_LOOP: grpc.aio's completion-queue poller stays bound to the event loop a process first uses;
+# an asyncio.run per row left it calling into closed loops ("Event loop is closed" tracebacks).
 def upstream(role: str, port: int, wire: str):
     from gateway.config import GatewayConfig
     from gateway.upstream import Upstream
@@ -143,12 +145,13 @@ def wire_alone(rounds: int, calls: int) -> list[dict]:
     try:
         assert server.stdout.readline().strip() == "ready"
         runs: dict[tuple, list[dict]] = {}
-        for _ in range(rounds):
-            for method in ("Verify", "Propose"):
-                for callers in LEVELS:
-                    for wire in WIRES:
-                        row = asyncio.run(measure(port, method, wire, callers, calls))
-                        runs.setdefault((method, callers, wire), []).append(row)
+        with asyncio.Runner() as runner:      # one event loop for every row (see ONE_LOOP)
+            for _ in range(rounds):
+                for method in ("Verify", "Propose"):
+                    for callers in LEVELS:
+                        for wire in WIRES:
+                            row = runner.run(measure(port, method, wire, callers, calls))
+                            runs.setdefault((method, callers, wire), []).append(row)
     finally:
         server.terminate()
         server.wait(10)
@@ -176,7 +179,7 @@ def end_to_end(rounds: int, max_tokens: int, log_dir: Path) -> dict:
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))
                for t in E2E_PROMPTS]
     runs: dict[str, list[dict]] = {w: [] for w in WIRES}
-    with contextlib.ExitStack() as stacks:
+    with contextlib.ExitStack() as stacks, asyncio.Runner() as runner:      # see ONE_LOOP
         svcs = {w: stacks.enter_context(Services(DEFAULT_DRAFTER, log_dir / w, wire=w))
                 for w in WIRES}
         grpc_at = {w: f"127.0.0.1:{svc.opts.port}" for w, svc in svcs.items()}
@@ -185,7 +188,7 @@ def end_to_end(rounds: int, max_tokens: int, log_dir: Path) -> dict:
         for _ in range(rounds):
             for wire, svc in svcs.items():
                 before = svc.snapshot()
-                tokens, seconds = asyncio.run(drive(grpc_at[wire], prompts, 1, max_tokens))
+                tokens, seconds = runner.run(drive(grpc_at[wire], prompts, 1, max_tokens))
                 runs[wire].append({"wire": wire, "tokens": tokens, "seconds": seconds,
                                    "tokens_per_s": tokens / seconds,
                                    **step_breakdown(before, svc.snapshot())})
