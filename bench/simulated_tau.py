@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.attention.registry import default_backend
 from services.draft.training.evaluate import default_target
 from services.draft.training.generate import load_examples, shuffled
 from services.draft.training.report import evaluate_splits
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
                         for e in examples]
         held[split] = examples
     cfg = TrainConfig(target_dir=target, out_dir="", device=args.device, mask_token_id=0,
-                      feature_backend="triton" if args.device.startswith("cuda") else "torch",
+                      feature_backend=default_backend(args.device),
                       eval_sequences=args.per_split, batch_sequences=16)
     t0 = time.monotonic()
     result = evaluate_splits(cfg, Path(args.draft_model), held, getattr(torch, args.dtype))

@@ -18,6 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.attention.registry import default_backend
 from runtime.home import models_home
 
 DEFAULT_DRAFTER = "dflash"
@@ -189,7 +190,7 @@ class Stack:
 
     def _device_args(self) -> list[str]:
         o = self.opts
-        backend = o.attention_backend or ("torch" if o.device == "cpu" else "triton")
+        backend = o.attention_backend or default_backend(o.device)
         return ["--device", o.device, "--attention-backend", backend]
 
     def _default_drafter(self) -> Path:

@@ -2,14 +2,21 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from runtime.attention.base import AttentionBackend
+if TYPE_CHECKING:              # importing base imports torch; the launcher only needs the names
+    from runtime.attention.base import AttentionBackend
 
 BACKENDS: dict[str, str] = {
     "torch": "runtime.attention.torch_backend:TorchAttentionBackend",
     "triton": "runtime.attention.triton_backend:TritonAttentionBackend",
     "flashinfer": "runtime.attention.flashinfer_backend:FlashInferAttentionBackend",
 }
+
+
+def default_backend(device: str) -> str:
+    """The backend a tool picks when none is given: torch on the CPU, triton on a GPU."""
+    return "torch" if device == "cpu" else "triton"
 
 
 class BackendUnavailable(RuntimeError):

@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from runtime.attention.registry import default_backend
 from services.draft.training.generate import (
     Example,
     chat_prompt_ids,
@@ -95,7 +96,7 @@ def _generate(args, prompts: list, temperature: float, seed: int) -> list[Exampl
 
     from runtime.tokenizer import ChatTokenizer
     from services.draft.training.target_runner import TargetRunner
-    backend = args.attention_backend or ("triton" if args.device.startswith("cuda") else "torch")
+    backend = args.attention_backend or default_backend(args.device)
     tok = ChatTokenizer(args.target)
     ids = [chat_prompt_ids(tok, p.text) for p in prompts]
     longest = max(len(i) for i in ids)
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                       checkpoint=args.checkpoint or str(work / "checkpoint.pt"),
                       stop_after_seconds=args.stop_after, cache_features=args.cache_features,
                       init_from=args.init_from,
-                      feature_backend="triton" if args.device.startswith("cuda") else "torch")
+                      feature_backend=default_backend(args.device))
     try:
         tapped_layers(cfg, int(read_config_json(args.target)["num_hidden_layers"]))
     except ValueError as e:

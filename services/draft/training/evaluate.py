@@ -18,6 +18,7 @@ from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 
+from runtime.attention.registry import default_backend
 from runtime.sampling import SamplingConfig
 from runtime.tokenizer import ChatTokenizer
 from services.draft.config import DraftConfig
@@ -33,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default="models/smollm2-135m-instruct-dflash")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--attention-backend", default="", help="default: torch on cpu, triton on cuda")
     p.add_argument("--splits", nargs="+", default=["eval_in", "eval_unseen"])
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])
     p.add_argument("--per-split", type=int, default=24, help="prompts per split (0 = all)")
@@ -63,11 +65,13 @@ async def evaluate(args: argparse.Namespace,
     ("complete": false), so a run cut short keeps what it measured."""
     from services.draft.training.prompts import load_prompts
     target_dir = args.target or str(default_target(args.dtype))
+    backend = args.attention_backend or default_backend(args.device)
     engines = start_engines(
         TargetConfig(model_dir=target_dir, device=args.device, dtype=args.dtype,
-                     max_block_size=max(16, args.block_size), lease_seconds=3600),
+                     attention_backend=backend, max_block_size=max(16, args.block_size),
+                     lease_seconds=3600),
         DraftConfig(target_dir=target_dir, model_dir=args.draft_model, device=args.device,
-                    dtype=args.dtype, lease_seconds=3600))
+                    dtype=args.dtype, attention_backend=backend, lease_seconds=3600))
     tok = ChatTokenizer(target_dir)
     eos = set(engines.target.worker.facts.eos_token_ids)
     runs: list[dict] = []
