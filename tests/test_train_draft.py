@@ -71,5 +71,5 @@ def test_train_draft_refuses_layer_ids_outside_the_target_before_generating(tiny
            "--target-layer-ids", "1", "6"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "target layer ids [1, 6] must be distinct ids in [0, 6)" in done.stderr
+    assert "target_layer_ids [1, 6] must be distinct ids in [0, 6)" in done.stderr
     assert not (tmp_path / "work").exists()          # refused before any answer was generated

@@ -29,7 +29,7 @@ def _examples(vocab: int, n: int = 12) -> list[Example]:
 
 def _cfg(target, out, **kw) -> TrainConfig:
     return TrainConfig(target_dir=str(target), out_dir=str(out), num_layers=1, block_size=4,
-                       num_taps=2, mask_token_id=3, steps=5, batch_sequences=3,
+                       target_layer_ids=(1, 2), mask_token_id=3, steps=5, batch_sequences=3,
                        blocks_per_sequence=4, lr=1e-2, warmup_steps=2, max_len=64,
                        device="cpu", feature_backend="torch", **kw)
 
@@ -121,3 +121,11 @@ def test_anchors_stay_in_the_answer_window(window):
             assert all(p <= a <= hi for a in row), (row, p, hi)
             seen.update((p, a) for a in row)
     assert max(a for p, a in seen if p == 7) == (min(46 - 1, 7 + window - 1) if window else 45)
+
+
+def test_default_taps_that_collide_are_refused_with_a_hint(tiny_target, tmp_path):
+    """DFlash's spreading rule gives [1, 1] for 2 taps of a 4-layer target: such a drafter could
+    not be served (the draft service refuses repeated taps), so training refuses it up front."""
+    with pytest.raises(ValueError, match=r"\[1, 1\] must be distinct.*pass --target-layer-ids"):
+        train(replace(_cfg(tiny_target, tmp_path / "x"), target_layer_ids=(), num_taps=2),
+              _examples(8), [])

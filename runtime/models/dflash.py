@@ -72,6 +72,26 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
             for i in range(num_draft_layers)]
 
 
+def target_layer_ids_problem(ids: list[int] | tuple[int, ...], num_target_layers: int) -> str:
+    """What is wrong with tapping `ids` of a target with T layers ('' = nothing: distinct ids,
+    each in [0, T))."""
+    if len(set(ids)) == len(ids) and all(0 <= i < num_target_layers for i in ids):
+        return ""
+    return (f"target_layer_ids {list(ids)} must be distinct ids in [0, {num_target_layers}) "
+            f"(the target has {num_target_layers} layers)")
+
+
+def check_target_layer_ids(ids: list[int] | tuple[int, ...], num_target_layers: int,
+                           explicit: bool) -> None:
+    """ValueError unless `ids` can be tapped; `explicit` = given by the user, else DFlash's rule
+    chose them (too few target layers for that many distinct taps)."""
+    problem = target_layer_ids_problem(ids, num_target_layers)
+    if problem:
+        hint = "" if explicit else (" (DFlash's default rule gave these for this small target: "
+                                    "pass --target-layer-ids)")
+        raise ValueError(problem + hint)
+
+
 @dataclass(frozen=True)
 class TargetFingerprint:
     """What a drafter was made for; compared with the target directory it is served against."""

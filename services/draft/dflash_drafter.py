@@ -26,6 +26,7 @@ from runtime.models.dflash import (
     TargetHead,
     checkpoint_shapes,
     load_dflash,
+    target_layer_ids_problem,
 )
 from runtime.models.forward import ForwardBatch, ForwardOutput
 from services.draft.config import DraftConfig
@@ -55,10 +56,9 @@ def compatibility_problems(cfg: DFlashConfig, fc_shape: tuple[int, ...] | None,
         problems.append(f"fc.weight input width {fc_shape[1] if len(fc_shape) == 2 else fc_shape} "
                         f"!= K*H_target = {len(cfg.target_layer_ids)} x {target.hidden_size} = "
                         f"{width}")
-    ids = cfg.target_layer_ids
-    if len(set(ids)) != len(ids) or not all(0 <= i < target.num_layers for i in ids):
-        problems.append(f"target_layer_ids {list(ids)} must be distinct ids in "
-                        f"[0, {target.num_layers}) (the target has {target.num_layers} layers)")
+    layer_ids = target_layer_ids_problem(cfg.target_layer_ids, target.num_layers)
+    if layer_ids:
+        problems.append(layer_ids)
     if cfg.block_size < 2:
         problems.append(f"block_size {cfg.block_size}: expected >= 2")
     return problems

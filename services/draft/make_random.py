@@ -29,6 +29,7 @@ from runtime.models.dflash import (
     DFlashDraftModel,
     TargetFingerprint,
     build_target_layer_ids,
+    check_target_layer_ids,
     init_random,
     save_dflash,
 )
@@ -47,7 +48,7 @@ def make_random_drafter(target_dir: str | Path, out_dir: str | Path, *, num_laye
     fp = TargetFingerprint.of_target(target_dir)
     ids = list(target_layer_ids) if target_layer_ids else build_target_layer_ids(
         fp.num_layers, num_layers)
-    _check_layer_ids(ids, fp.num_layers, explicit=bool(target_layer_ids))
+    check_target_layer_ids(ids, fp.num_layers, explicit=bool(target_layer_ids))
     mask = default_mask_token_id(target_dir) if mask_token_id is None else int(mask_token_id)
     if not 0 <= mask < fp.vocab_size:
         raise ValueError(f"mask token id {mask} is outside the target vocabulary [0, {fp.vocab_size})")
@@ -85,14 +86,6 @@ def draft_config(target: dict[str, Any], fp: TargetFingerprint, num_layers: int,
     }
     cfg.update({k: target[k] for k in ROPE_KEYS if target.get(k) is not None})
     return cfg
-
-
-def _check_layer_ids(ids: list[int], num_layers: int, explicit: bool) -> None:
-    if len(set(ids)) == len(ids) and all(0 <= i < num_layers for i in ids):
-        return
-    hint = "" if explicit else " (DFlash's default rule gave these for this small target: pass " \
-                               "--target-layer-ids)"
-    raise ValueError(f"target layer ids {ids} must be distinct ids in [0, {num_layers}){hint}")
 
 
 def default_mask_token_id(target_dir: str | Path) -> int:

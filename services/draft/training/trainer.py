@@ -23,6 +23,8 @@ from runtime.models.dflash import (
     DFlashDraftModel,
     TargetFingerprint,
     TargetHead,
+    build_target_layer_ids,
+    check_target_layer_ids,
     init_random,
     load_dflash,
     save_dflash,
@@ -44,7 +46,7 @@ class TrainConfig:
     out_dir: str
     num_layers: int = 2
     block_size: int = 16
-    target_layer_ids: tuple[int, ...] = ()     # () = spread over the target (see default_taps)
+    target_layer_ids: tuple[int, ...] = ()     # () = num_taps spread by DFlash's rule
     num_taps: int = 5
     mask_token_id: int = 0
     steps: int = 2000
@@ -71,22 +73,12 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
 
-def default_taps(num_target_layers: int, k: int) -> tuple[int, ...]:
-    """k ids spread evenly over [1, T-3] (DFlash's rule, with k taps)."""
-    if k == 1:
-        return (num_target_layers // 2,)
-    return tuple(int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k))
-
-
 def tapped_layers(cfg: TrainConfig, num_target_layers: int) -> tuple[int, ...]:
-    """cfg's explicit ids (checked: distinct, each in [0, T)) or default_taps. ValueError."""
-    ids = cfg.target_layer_ids
-    if not ids:
-        return default_taps(num_target_layers, cfg.num_taps)
-    if len(set(ids)) != len(ids) or not all(0 <= i < num_target_layers for i in ids):
-        raise ValueError(f"target layer ids {list(ids)} must be distinct ids in "
-                         f"[0, {num_target_layers}) (the target has {num_target_layers} layers)")
-    return tuple(ids)
+    """cfg's explicit ids, else cfg.num_taps ids spread by DFlash's rule. ValueError when the
+    ids cannot be tapped."""
+    ids = cfg.target_layer_ids or tuple(build_target_layer_ids(num_target_layers, cfg.num_taps))
+    check_target_layer_ids(ids, num_target_layers, explicit=bool(cfg.target_layer_ids))
+    return ids
 
 
 def draft_config_dict(cfg: TrainConfig, target_raw: dict, taps: tuple[int, ...]) -> dict:
