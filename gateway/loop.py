@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import grpc
 
 from dflash.v1 import common_pb2, draft_pb2, target_pb2
+from gateway.admission import Admission
 from gateway.backoff import Backoff
 from gateway.config import GatewayConfig
 from gateway.feed import DraftFeed
@@ -103,9 +104,11 @@ class Generation:
     """One request. Iterate `events()` inside `contextlib.aclosing` so that cancellation runs
     the release."""
 
-    def __init__(self, state: GatewayState, req: GenerationRequest, arrival: float) -> None:
+    def __init__(self, state: GatewayState, req: GenerationRequest, arrival: float,
+                 admission: Admission) -> None:
         caps = state.target_caps
         self.state, self.req = state, req
+        self.admission = admission       # its running count decides whether to draft (load rule)
         self.seq_id = f"gw-{uuid.uuid4().hex[:24]}"
         self.out = OutputProcessor(req, list(caps.eos_token_ids), state.tokenizer)
         self.usage = Usage(prompt_tokens=len(req.prompt_ids))
@@ -204,7 +207,7 @@ class Generation:
         if spec.draft is None or self.draft_disabled or time.monotonic() < self.draft_paused_until:
             return 1
         limit = self.state.config.spec_disable_batch_size
-        if limit and self.state.running > limit:
+        if limit and self.admission.running > limit:
             return 1
         room = self.state.target_caps.max_context - self.target_len
         wanted = self.req.block_size or spec.block_size

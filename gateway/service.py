@@ -83,7 +83,7 @@ class GatewayService:
                         ) -> AsyncIterator[Event]:
         try:
             await ticket.run()
-            gen = Generation(self.state, req, arrival)
+            gen = Generation(self.state, req, arrival, self.admission)
             async with contextlib.aclosing(gen.events()) as events:
                 async for event in events:
                     yield event
@@ -91,7 +91,6 @@ class GatewayService:
             ticket.close()
 
     def _publish_load(self, running: int, waiting: int) -> None:
-        self.state.running = running
         model = self.state.metrics_model
         metrics.RUNNING.labels(model, "gateway").set(running)
         metrics.WAITING.labels(model, "gateway").set(waiting)

@@ -53,7 +53,6 @@ class GatewayState:
         self.reason = f"waiting for the target at {config.target}"
         self.decision = compat.Decision()
         self.draft_ok = False            # speculation available now
-        self.running = 0                 # requests generating (kept by the service's admission)
         self.draft_seen = False          # the draft was usable once (then its absence degrades)
         self.draft_grace_over = False    # start-up deadline passed: serve without the draft
         self.metrics_model = ""
