@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default="", help="prompt set folder (default: data/prompts)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", help="target dtype for generation/features")
-    p.add_argument("--attention-backend", default="", help="default: triton on cuda, torch on cpu")
+    p.add_argument("--attention-backend", default="",
+                   help="answer generation and features (default: triton on cuda, torch on cpu)")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--taps", type=int, default=5, help="target layers tapped for features")
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, metavar="L",
@@ -91,12 +92,17 @@ def answers(args, split: str, temperature: float, prompts: list, work: Path, sam
     return examples
 
 
+def attention_backend(args: argparse.Namespace) -> str:
+    """--attention-backend, else the device's default: for answer generation and features."""
+    return args.attention_backend or default_backend(args.device)
+
+
 def _generate(args, prompts: list, temperature: float, seed: int) -> list[Example]:
     import torch
 
     from runtime.tokenizer import ChatTokenizer
     from services.draft.training.target_runner import TargetRunner
-    backend = args.attention_backend or default_backend(args.device)
+    backend = attention_backend(args)
     tok = ChatTokenizer(args.target)
     ids = [chat_prompt_ids(tok, p.text) for p in prompts]
     longest = max(len(i) for i in ids)
@@ -133,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                       checkpoint=args.checkpoint or str(work / "checkpoint.pt"),
                       stop_after_seconds=args.stop_after, cache_features=args.cache_features,
                       init_from=args.init_from,
-                      feature_backend=default_backend(args.device))
+                      feature_backend=attention_backend(args))
     try:
         tapped_layers(cfg, int(read_config_json(args.target)["num_hidden_layers"]))
     except ValueError as e:
