@@ -47,7 +47,7 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 
 class Bench:
-    def __init__(self, draft: Path, target: Path) -> None:
+    def __init__(self, draft: Path, target: Path, compute_threads: int) -> None:
         self.config = DraftConfig(target_dir=str(target), model_dir=str(draft),
                                   kv_budget_bytes=512 << 20)
         drafter = DFlashDrafter(self.config)
@@ -55,6 +55,8 @@ class Bench:
         self.width = drafter.facts.feature_width
         self.engine = DraftEngine(drafter, self.config)
         self.engine.start()
+        if compute_threads:      # the engine thread's count, set there before any step
+            self.engine.loop.call(lambda: threads.parallel(compute_threads))
         self.loop = asyncio.new_event_loop()
 
     def close(self) -> None:
@@ -184,12 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-grpc", action="store_true", help="skip the gRPC round-trip row")
     args = p.parse_args(argv)
     threads.serial()            # only the engine thread computes in parallel (runtime.threads)
-    if args.threads:
-        threads.COMPUTE_THREADS = args.threads
     from runtime.prepare.smollm2 import prepare_smollm2
     target = prepare_smollm2(["float32"], progress=False)["float32"]
     result: dict = {"machine": platform.platform(), "processor": platform.processor(),
-                    "torch": torch.__version__, "threads": threads.COMPUTE_THREADS,
+                    "torch": torch.__version__, "threads": args.threads or threads.COMPUTE_THREADS,
                     "target": "smollm2-135m-instruct fp32", "draft_dtype": "float32",
                     "feature_dtype": "bfloat16", "load_average_before": os.getloadavg(),
                     "propose": [], "append": []}
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         for layers in LAYERS:
             draft = make_random_drafter(target, Path(tmp) / f"d{layers}", num_layers=layers,
                                         block_size=16)
-            bench = Bench(draft, target)
+            bench = Bench(draft, target, args.threads)
             try:
                 bench.propose_latency(max(BLOCKS), max(BATCHES), 2)     # untimed warm-up
                 for block in BLOCKS:

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import torch
 
-COMPUTE_THREADS = torch.get_num_threads()   # parallel()'s default; a benchmark may set it first
+COMPUTE_THREADS = torch.get_num_threads()
 
 T = TypeVar("T")
 
