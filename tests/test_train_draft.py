@@ -1,6 +1,7 @@
 """`dflash train-draft` end to end on a tiny target (CPU): the target answers real prompts
-(greedy and sampled, generated in waves), a drafter is trained for a few steps on the target's
-greedy-chain labels (the loss goes down), exported in z-lab's format with a model card, and the
+(greedy and sampled, generated in waves) and a follow-up turn after its own answers, a drafter is
+trained for a few steps on the target's greedy-chain labels plus its soft labels (the loss goes
+down), exported in z-lab's format with a model card, and the
 draft service serves it."""
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
            "--blocks-per-sequence", "8", "--lr", "3e-2", "--max-new-tokens", "24",
            "--limit-prompts", "12", "--limit-eval", "3", "--eval-sequences", "3",
            "--concurrency", "16", "--seed", "1", "--sampled-temperature", "0.7",
-           "--samples-per-prompt", "2"]
+           "--samples-per-prompt", "2", "--follow-ups", "2", "--soft-labels", "0.5"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "training.json").read_text())
@@ -50,11 +51,14 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
     assert len(losses) >= 3
     assert losses[-1] < losses[0] - 1.0, losses          # it learns (ln V = 10.8 at the start)
     assert (out / "README.md").is_file() and summary["eval"]["eval_in"]["sequences"] == 3
-    # one greedy and two sampled answers per prompt, each set cached once in --work
-    assert summary["answers_by_temperature"] == {"0.0": 12, "0.7": 24}
-    assert summary["num_train_prompts"] == 12 and summary["config"]["greedy_labels"]
-    assert {p.name for p in (tmp_path / "work").glob("train_*.jsonl")} == {
-        "train_t0.0.jsonl", "train_t0.7.jsonl", "train_t0.7_s1.jsonl"}
+    # one greedy and two sampled answers per prompt, and a greedy and a sampled answer to a
+    # follow-up turn, each set cached once in --work
+    assert summary["answers_by_temperature"] == {"0.0": 24, "0.7": 36}
+    assert summary["num_train_prompts"] == 36       # 12 first turns, 2 x 12 second turns
+    assert summary["config"]["greedy_labels"] and summary["config"]["soft_label_weight"] == 0.5
+    assert {p.name for p in (tmp_path / "work").glob("train*.jsonl")} == {
+        "train_t0.0.jsonl", "train_t0.7.jsonl", "train_t0.7_s1.jsonl",
+        "train-followup_t0.0.jsonl", "train-followup_t0.7_s1.jsonl"}
     cfg = DFlashConfig.from_dir(out)
     assert cfg.block_size == 8 and cfg.mask_token_id == 16 and cfg.target_layer_ids == (1, 5)
     draft = start_draft(tiny_chat_target, tmp_path, model_dir=out)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.tokenizer import ChatTokenizer
-from services.draft.training.blocks import block_inputs
+from services.draft.training.blocks import block_inputs, block_loss, soft_targets
 from services.draft.training.features import FeatureCache, FeatureExtractor
 from services.draft.training.generate import answer_wave, chat_prompt_ids
 from services.draft.training.target_runner import TargetRunner
@@ -69,12 +69,16 @@ def test_features_come_with_the_targets_greedy_next_tokens(smollm2_dir, prompts)
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     ext = FeatureExtractor(str(smollm2_dir), (1, 8), 1024, torch.float32, "cpu")
     seqs = prompts[:2]
-    out = ext(seqs)
+    out = ext(seqs, final=True)
     assert out.feats.shape == (2, max(map(len, seqs)), 2 * 576)
     for i, s in enumerate(seqs):
         with torch.no_grad():
             ref = hf(torch.tensor([s]), output_hidden_states=True)
         assert out.greedy[i, : len(s)].tolist() == ref.logits[0].argmax(-1).tolist()
+        # the LM head's input: its logits are the target's (soft labels)
+        with torch.no_grad():
+            logits = out.final[i, : len(s)] @ hf.lm_head.weight.t()
+        torch.testing.assert_close(logits, ref.logits[0], atol=2e-3, rtol=1e-4)
         torch.testing.assert_close(out.feats[i, : len(s), 576:], ref.hidden_states[9][0],
                                    atol=1e-4, rtol=1e-4)
         assert not out.feats[i, len(s):].any()
@@ -82,15 +86,17 @@ def test_features_come_with_the_targets_greedy_next_tokens(smollm2_dir, prompts)
 
 def test_feature_cache_returns_what_the_extractor_computes(smollm2_dir, prompts):
     ext = FeatureExtractor(str(smollm2_dir), (1, 8), 1024, torch.float32, "cpu")
-    cache = FeatureCache(ext, prompts, batch=3, greedy=True)     # two forwards, sorted by length
+    cache = FeatureCache(ext, prompts, batch=3, greedy=True, final=True)   # two forwards
     for pick in ([2, 0], [3], [1, 2, 3, 0]):
         seqs = [prompts[i] for i in pick]
-        got, ref = cache(pick), ext(seqs)
+        got, ref = cache(pick), ext(seqs, final=True)
         assert got.feats.shape == ref.feats.shape and got.greedy.shape == ref.greedy.shape
         torch.testing.assert_close(got.feats, ref.feats, atol=1e-4, rtol=1e-4)   # pads: zeros
+        torch.testing.assert_close(got.final, ref.final, atol=1e-4, rtol=1e-4)
         assert got.greedy.tolist() == ref.greedy.tolist()
-    assert ext.width == 1152
+    assert ext.width == 1152 and ext(prompts[:1]).final is None
     assert FeatureCache.nbytes(ext, prompts) == sum(map(len, prompts)) * 1152 * 4   # fp32
+    assert FeatureCache.nbytes(ext, prompts, final=True) == sum(map(len, prompts)) * 1728 * 4
     assert cache.feats.shape == (sum(map(len, prompts)) + 1, 1152) and not cache.feats[-1].any()
 
 
@@ -110,3 +116,37 @@ def test_greedy_chain_labels_stop_where_the_sequence_leaves_the_chain():
     # With the sequence's own tokens as labels, nothing is cut but the end.
     _, _, own = block_inputs(ids, anchors, 5, 16, torch.tensor([10]))
     assert own.tolist() == [[[3, 4, 5, 6], [7, 8, 9, -100]]]
+
+
+def test_soft_targets_are_the_targets_lm_head_inputs_before_each_draft_position():
+    # final[s, t] = 100 s + t (one channel): draft position k of the block at anchor p reads
+    # the target's state at p+k-1, clamped at the sequence's last row.
+    final = (100 * torch.arange(2)[:, None] + torch.arange(10)[None]).float()[..., None]
+    got = soft_targets(final, torch.tensor([[2, 7], [0, 5]]), 5)[..., 0]
+    assert got.tolist() == [[[2, 3, 4, 5], [7, 8, 9, 9]], [[100, 101, 102, 103], [105, 106, 107, 108]]]
+
+
+class _Head:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.lm_head_weight = weight
+
+
+def test_soft_label_loss_is_zero_kl_where_the_draft_matches_the_target_and_only_where_labelled():
+    torch.manual_seed(0)
+    head = _Head(torch.randn(50, 8))
+    hidden = torch.randn(1, 2, 4, 8)                  # [S, nb, B, H]
+    labels = torch.tensor([[[3, 4, 5], [6, -100, -100]]])
+    w = torch.ones(3)
+    ce, _ = block_loss(hidden, labels, head, w)
+    # the target's distribution equals the draft's: KL adds nothing
+    same, _ = block_loss(hidden, labels, head, w, hidden[:, :, 1:], 1.0)
+    torch.testing.assert_close(same, ce)
+    # another target: the loss grows by W x the mean KL over the labelled positions only
+    other = torch.randn(1, 2, 3, 8)
+    got, _ = block_loss(hidden, labels, head, w, other, 0.5)
+    t = torch.log_softmax(other @ head.lm_head_weight.t(), -1)
+    d = torch.log_softmax(hidden[:, :, 1:] @ head.lm_head_weight.t(), -1)
+    kl = (t.exp() * (t - d)).sum(-1)                  # [1, 2, 3]
+    labelled = labels >= 0
+    torch.testing.assert_close(got, ce + 0.5 * kl[labelled].mean())
+    assert float(got) > float(ce)

@@ -107,13 +107,38 @@ def position_weights(block: int, gamma: float, device) -> torch.Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
+def soft_targets(final: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
+    """final [S, L, H] (the target's LM head input after each position), anchors [S, nb] ->
+    [S, nb, B-1, H]: for draft position k, the target's at p+k-1 (whose logits predict the token
+    p+k; on the greedy chain, which is where labels are kept, the distribution the draft's
+    position k should match). Positions past L read row L-1 (their labels are -100)."""
+    s, nb = anchors.shape
+    pos = (anchors[..., None] + torch.arange(block - 1, device=anchors.device)).clamp(
+        max=final.shape[1] - 1)                                       # [S, nb, B-1]
+    rows = pos.reshape(s, -1, 1).expand(-1, -1, final.shape[-1])
+    return final.gather(1, rows).view(s, nb, block - 1, -1)
+
+
+def _logits(h: torch.Tensor, head: TargetHead) -> torch.Tensor:
+    """h [N, H] -> fp32 logits [N, V] through the target's LM head."""
+    return (h.to(head.lm_head_weight.dtype) @ head.lm_head_weight.t()).float()
+
+
 def block_loss(hidden: torch.Tensor, labels: torch.Tensor, head: TargetHead,
-               weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [S, nb, B, H], labels [S, nb, B-1] -> (weighted CE, per-position accuracy [B-1])."""
+               weights: torch.Tensor, target_final: torch.Tensor | None = None,
+               soft_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [S, nb, B, H], labels [S, nb, B-1] -> (weighted loss, per-position accuracy
+    [B-1]). The loss is CE against the labels, plus soft_weight x KL(target || draft) with the
+    target's distributions from target_final [S, nb, B-1, H] (soft_targets), where labelled."""
     h = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])
-    logits = (h.to(head.lm_head_weight.dtype) @ head.lm_head_weight.t()).float()
+    logits = _logits(h, head)
     flat = labels.reshape(-1)
     ce = F.cross_entropy(logits, flat.clamp(min=0), reduction="none")
+    if target_final is not None and soft_weight > 0:
+        with torch.no_grad():
+            t_logp = F.log_softmax(_logits(target_final.reshape(h.shape), head), dim=-1)
+        kl = (t_logp.exp() * (t_logp - F.log_softmax(logits, dim=-1))).sum(-1)
+        ce = ce + soft_weight * kl
     valid = (flat >= 0).float()
     w = weights.repeat(labels.shape[0] * labels.shape[1]) * valid
     loss = (ce * w).sum() / w.sum().clamp(min=1.0)

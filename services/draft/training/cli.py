@@ -57,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="more answers per prompt sampled at this temperature (0 = greedy only)")
     p.add_argument("--samples-per-prompt", type=int, default=6,
                    help="sampled answers per training prompt, besides the greedy one")
+    p.add_argument("--follow-ups", type=int, default=0, metavar="N",
+                   help="N answer sets to a second turn (a follow-up request after the target's "
+                        "greedy first answer): the first greedy, the rest sampled")
+    p.add_argument("--soft-labels", type=float, default=0.0, metavar="W",
+                   help="add W x KL(target || draft) over the whole vocabulary at each labelled "
+                        "position to the cross-entropy (0 = cross-entropy only)")
     p.add_argument("--labels", choices=("greedy", "data"), default="greedy",
                    help="train on the target's greedy chain from each anchor (default) or on "
                         "the answer's own tokens")
@@ -80,14 +86,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "command resumes it (for time-limited or preemptible machines)")
 
 
-def answers(args, split: str, temperature: float, prompts: list, work: Path, sample: int = 0
-            ) -> list[Example]:
-    """The target's answers to `prompts`, cached in WORK/{split}_t{T}[_s{sample}].jsonl."""
+def answers(args, split: str, temperature: float, prompts: list, work: Path, sample: int = 0,
+            ids: list[list[int]] | None = None) -> list[Example]:
+    """The target's answers to `prompts`, cached in WORK/{split}_t{T}[_s{sample}].jsonl. ids:
+    the prompts' token ids (default: each prompt's text as one chat-formatted user turn)."""
     suffix = f"_s{sample}" if sample else ""
     path = work / f"{split}_t{temperature}{suffix}.jsonl"
     if path.is_file():
         return load_examples(path)
-    examples = _generate(args, prompts, temperature, args.seed + 7919 * sample)
+    if not prompts:
+        return []
+    examples = _generate(args, prompts, temperature, args.seed + 7919 * sample, ids)
     save_examples(examples, path)
     return examples
 
@@ -97,14 +106,31 @@ def attention_backend(args: argparse.Namespace) -> str:
     return args.attention_backend or default_backend(args.device)
 
 
-def _generate(args, prompts: list, temperature: float, seed: int) -> list[Example]:
+def follow_up_answers(args, prompts: list, first: list[Example], work: Path) -> list[Example]:
+    """--follow-ups answer sets to second turns after the greedy `first` answers to `prompts`
+    (follow_ups.py): set 0 greedy, the others sampled at --sampled-temperature."""
+    from runtime.tokenizer import ChatTokenizer
+    from services.draft.training.follow_ups import follow_up_prompts
+    tok = ChatTokenizer(args.target)
+    texts = {p.id: p.text for p in prompts}
+    out: list[Example] = []
+    for k in range(args.follow_ups):
+        records, ids = follow_up_prompts(tok, texts, first, k, args.seed)
+        temperature = 0.0 if k == 0 or args.sampled_temperature <= 0 else args.sampled_temperature
+        out += answers(args, "train-followup", temperature, records, work, k, ids)
+    return out
+
+
+def _generate(args, prompts: list, temperature: float, seed: int,
+              ids: list[list[int]] | None = None) -> list[Example]:
     import torch
 
     from runtime.tokenizer import ChatTokenizer
     from services.draft.training.target_runner import TargetRunner
     backend = attention_backend(args)
-    tok = ChatTokenizer(args.target)
-    ids = [chat_prompt_ids(tok, p.text) for p in prompts]
+    if ids is None:
+        tok = ChatTokenizer(args.target)
+        ids = [chat_prompt_ids(tok, p.text) for p in prompts]
     longest = max(len(i) for i in ids)
     runner = TargetRunner(args.target, args.concurrency * (longest + args.max_new_tokens),
                           getattr(torch, args.dtype), args.device, backend)
@@ -138,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                       device=args.device,
                       checkpoint=args.checkpoint or str(work / "checkpoint.pt"),
                       stop_after_seconds=args.stop_after, cache_features=args.cache_features,
-                      init_from=args.init_from,
+                      init_from=args.init_from, soft_label_weight=args.soft_labels,
                       feature_backend=attention_backend(args))
     try:
         tapped_layers(cfg, int(read_config_json(args.target)["num_hidden_layers"]))
@@ -156,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
                      for s, p in eval_sets.items()}
     # evaluations take the first --eval-sequences of each split: shuffled, a sample of each
     held = {s: shuffled(answers(args, s, 0.0, p, work), args.seed) for s, p in eval_sets.items()}
-    examples = answers(args, "train", 0.0, train_prompts, work)
+    greedy = answers(args, "train", 0.0, train_prompts, work)
+    examples = greedy + follow_up_answers(args, train_prompts, greedy, work)
     if args.sampled_temperature > 0:
         for k in range(args.samples_per_prompt):
             examples += answers(args, "train", args.sampled_temperature, train_prompts, work, k)

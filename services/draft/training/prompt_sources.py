@@ -3565,3 +3565,61 @@ CATEGORIES = {
 TRAINED_CATEGORIES = ("chat", "explain", "list", "code", "math", "rewrite", "summarise", "compare",
                       "howto", "creative", "qa", "plan")
 UNSEEN_CATEGORIES = ("email", "classify", "extract")
+
+# ---- follow-up turns (train-draft --follow-ups) -----------------------------------------------
+# A second user turn after the target's own first answer: conversations for the drafter to learn
+# the target's multi-turn behaviour from. "*" applies to every category; a category's own list
+# is added to it.
+
+FOLLOW_UPS = {
+    "*": [
+        "Can you make that shorter?",
+        "Thanks! Can you explain that more simply?",
+        "Can you say more about the first point?",
+        "Summarize your answer in one sentence.",
+        "Why is that?",
+        "Can you give me an example?",
+        "What else should I know about this?",
+        "Can you rewrite that as a bulleted list?",
+        "Explain that to a ten-year-old.",
+        "What is the most important part of your answer?",
+        "Can you make it more formal?",
+        "Can you make it more casual and friendly?",
+        "Are there any common mistakes to avoid here?",
+        "Could you expand on that a little?",
+        "Great, thank you. Can you add one more idea?",
+        "I didn't quite understand. Can you explain it another way?",
+        "What would you do first?",
+        "Can you turn that into three short steps?",
+        "Is there anything you would change in your answer?",
+        "How would you explain this to a beginner?",
+    ],
+    "code": [
+        "Can you add comments to the code?",
+        "How would I test this?",
+        "Can you explain how the code works, line by line?",
+        "What happens if the input is empty?",
+        "Can you make the code shorter?",
+        "What is the time complexity of this?",
+    ],
+    "math": [
+        "Can you check the answer another way?",
+        "Can you explain each step in more detail?",
+        "What if the numbers were doubled?",
+        "Can you write the solution as a short list of steps?",
+    ],
+    "list": [
+        "Can you add two more items to the list?",
+        "Which item on the list is the best, and why?",
+        "Can you put the list in order of importance?",
+    ],
+    "creative": [
+        "Can you write a different ending?",
+        "Can you make it funnier?",
+        "Can you give it a title?",
+    ],
+    "rewrite": [
+        "Can you make it even shorter?",
+        "Can you try a different tone?",
+    ],
+}

@@ -32,7 +32,13 @@ from runtime.models.dflash import (
 from runtime.models.registry import build_empty
 from runtime.weights import read_tensors
 from services.draft.training.acceptance import AcceptanceStats, simulate
-from services.draft.training.blocks import block_inputs, block_loss, draft_hidden, position_weights
+from services.draft.training.blocks import (
+    block_inputs,
+    block_loss,
+    draft_hidden,
+    position_weights,
+    soft_targets,
+)
 from services.draft.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from services.draft.training.features import FeatureCache, FeatureExtractor
 from services.draft.training.generate import Example
@@ -64,6 +70,7 @@ class TrainConfig:
     eval_sequences: int = 64
     seed: int = 0
     greedy_labels: bool = True                 # labels: the target's greedy chain (see blocks.py)
+    soft_label_weight: float = 0.0             # > 0: + this x KL(target || draft) (blocks.py)
     cache_features: bool = False               # compute all features once, keep them on device
     init_from: str = ""                        # start from this drafter's weights (same shape)
     checkpoint: str = ""                       # resume from / save to this file ("" = none)
@@ -182,7 +189,8 @@ def feature_cache(cfg: TrainConfig, extractor: FeatureExtractor, batcher: Batche
     if not cfg.cache_features:
         return None
     seqs = [e.ids[: cfg.max_len] for e in batcher.examples]
-    need = FeatureCache.nbytes(extractor, seqs)
+    soft = cfg.soft_label_weight > 0
+    need = FeatureCache.nbytes(extractor, seqs, soft)
     if torch.device(cfg.device).type == "cuda":
         free = torch.cuda.mem_get_info(torch.device(cfg.device))[0]
         if need > 0.85 * free:
@@ -190,7 +198,7 @@ def feature_cache(cfg: TrainConfig, extractor: FeatureExtractor, batcher: Batche
                               f"{free / 2**30:.1f} GiB of device memory is free; train without "
                               "--cache-features or on fewer answers")
     t0 = time.monotonic()
-    cache = FeatureCache(extractor, seqs, cfg.batch_sequences, cfg.greedy_labels)
+    cache = FeatureCache(extractor, seqs, cfg.batch_sequences, cfg.greedy_labels, soft)
     log.info("feature cache: %d sequences, %.1f GiB, built in %.0f s", len(seqs),
              need / 2**30, time.monotonic() - t0)
     return cache
@@ -265,13 +273,16 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
         batch = [batcher.examples[i] for i in picked]
         ids, _, lens = batcher.tensors(batch, cfg.device)
         target = cache(picked) if cache else \
-            extractor([e.ids[: cfg.max_len] for e in batch], greedy=cfg.greedy_labels)
+            extractor([e.ids[: cfg.max_len] for e in batch], greedy=cfg.greedy_labels,
+                      final=cfg.soft_label_weight > 0)
         anchors = batcher.anchors(batch, cfg.device)
         bids, bpos, labels = block_inputs(ids, anchors, cfg.block_size, cfg.mask_token_id, lens,
                                           target.greedy if cfg.greedy_labels else None)
+        soft = soft_targets(target.final, anchors, cfg.block_size) \
+            if target.final is not None else None
         with torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16):
             hidden = draft_hidden(draft, head, target.feats, bids, bpos)
-            loss, acc = block_loss(hidden, labels, head, weights)
+            loss, acc = block_loss(hidden, labels, head, weights, soft, cfg.soft_label_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)

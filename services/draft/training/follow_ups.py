@@ -1,0 +1,53 @@
+"""Second turns for training (`train-draft --follow-ups N`): each training prompt, the target's
+own greedy answer to it, then a follow-up request (prompt_sources.FOLLOW_UPS) - a conversation
+the target answers again. The drafter learns from these answers as from first ones: more of the
+target's text, in contexts the single-turn prompts never show (and that served chats do).
+
+Follow-up set k picks each prompt's request with a RNG seeded by (seed, k, prompt id), so the
+sets are reproducible and differ from one another. An answer cut at max_new tokens is continued
+as it is (a served chat resends such answers too); conversations longer than `max_prompt` tokens
+are left out (the answer then fits the trainer's max_len)."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from runtime.tokenizer import ChatTokenizer
+from services.draft.training import prompt_sources as sources
+from services.draft.training.generate import Example
+
+MAX_PROMPT_TOKENS = 384
+
+
+@dataclass(frozen=True)
+class FollowUp:
+    """A follow-up request: `id` is the first prompt's id plus /f{set}; `text` the request."""
+    id: str
+    category: str
+    text: str
+
+
+def requests_for(category: str) -> list[str]:
+    return sources.FOLLOW_UPS["*"] + sources.FOLLOW_UPS.get(category, [])
+
+
+def follow_up_prompts(tok: ChatTokenizer, texts: dict[str, str], first: list[Example],
+                      set_index: int, seed: int, max_prompt: int = MAX_PROMPT_TOKENS
+                      ) -> tuple[list[FollowUp], list[list[int]]]:
+    """texts: prompt id -> first user message; first: the target's greedy answers to them ->
+    (follow-up records, their conversations' chat-formatted ids), in `first`'s order."""
+    records: list[FollowUp] = []
+    ids: list[list[int]] = []
+    for e in first:
+        rng = random.Random(f"{seed}:{set_index}:{e.prompt_id}")
+        request = rng.choice(requests_for(e.category))
+        answer = tok.decode(e.response_ids, skip_special_tokens=True)   # without its EOS
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": texts[e.prompt_id]},
+             {"role": "assistant", "content": answer},
+             {"role": "user", "content": request}], add_generation_prompt=True)
+        conv = tok.encode(rendered)
+        if len(conv) <= max_prompt:
+            records.append(FollowUp(f"{e.prompt_id}/f{set_index}", e.category, request))
+            ids.append(conv)
+    return records, ids
