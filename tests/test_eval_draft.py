@@ -52,3 +52,18 @@ def test_eval_draft_hands_over_each_finished_run(smollm2_dir):
     assert [len(p["summary"]) for p in partials] == [1, 2]
     assert not any(p["complete"] for p in partials) and final["complete"]
     assert final["summary"] == partials[-1]["summary"]
+
+
+def test_eval_draft_measures_second_turns_after_the_targets_own_answers(smollm2_dir):
+    """--follow-up: each prompt, the target's greedy answer, a follow-up request; the second
+    answer is measured and, at T = 0, is still the target's own."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--target", str(smollm2_dir), "--splits", "eval_in",
+                              "--temperatures", "0", "--per-split", "2", "--max-new-tokens", "12",
+                              "--follow-up", "--first-answer-tokens", "16"])
+    result = asyncio.run(evaluate(args))
+    assert result["turn"] == "second" and result["complete"]
+    (run,) = result["runs"]
+    assert run["prompts"] == 2 and run["identical_to_target"] is True
+    assert 1.0 <= run["tau"] <= 16.0

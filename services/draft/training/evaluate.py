@@ -2,8 +2,11 @@
 
 For each held-out split and temperature: tau (committed tokens per verify step, bonus
 included) per category, the acceptance rate at each draft position, and - at temperature 0 -
-a check that the speculative output equals the target alone. Results: JSON (and a markdown
-table with --doc)."""
+a check that the speculative output equals the target alone. Results: JSON.
+
+--follow-up measures second turns instead: each prompt, the target's own greedy first answer
+(up to --first-answer-tokens, generated speculatively: at T = 0 that is the target's output),
+then a follow-up request (follow_ups.py); tau is measured on the answer to that."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +25,7 @@ from runtime.attention.registry import default_backend
 from runtime.sampling import SamplingConfig
 from runtime.tokenizer import ChatTokenizer
 from services.draft.config import DraftConfig
-from services.draft.training.generate import chat_prompt_ids
+from services.draft.training.generate import Example, chat_prompt_ids
 from services.draft.training.inproc import SpecResult, speculate, start_engines
 from services.target.config import TargetConfig
 
@@ -42,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--follow-up", action="store_true",
+                   help="measure second turns: a follow-up request after the target's own "
+                        "greedy answer to each prompt")
+    p.add_argument("--first-answer-tokens", type=int, default=256,
+                   help="with --follow-up: the first answer's length at most")
     p.add_argument("--out", default="bench/results/drafter_eval.json")
 
 
@@ -80,8 +88,11 @@ async def evaluate(args: argparse.Namespace,
             prompts = load_prompts(split)
             if args.per_split:
                 prompts = random.Random(args.seed).sample(prompts, min(args.per_split, len(prompts)))
+            turns = await _second_turns(engines, tok, eos, split, prompts, args) \
+                if args.follow_up else \
+                [(r.category, chat_prompt_ids(tok, r.text)) for r in prompts]
             for temp in args.temperatures:
-                runs.append(await _run_split(engines, tok, eos, split, prompts, temp, args))
+                runs.append(await _run_split(engines, eos, split, turns, temp, args))
                 log.info("eval-draft %s T=%s: tau %.3f over %d prompts in %.0f s", split, temp,
                          runs[-1]["tau"], len(prompts), runs[-1]["seconds"])
                 if on_progress is not None:
@@ -95,18 +106,39 @@ def _result(args: argparse.Namespace, target_dir: str, runs: list[dict], complet
     return {"machine": platform.processor() or platform.machine(), "date": str(date.today()),
             "target": target_dir, "draft_model": args.draft_model,
             "block_size": args.block_size, "max_new_tokens": args.max_new_tokens,
-            "complete": complete,
+            "turn": "second" if args.follow_up else "first", "complete": complete,
             "summary": [{k: r[k] for k in ("split", "temperature", "tau", "per_category",
                                            "per_position", "identical_to_target")}
                         for r in runs], "runs": runs}
 
 
-async def _run_split(engines, tok, eos, split, prompts, temp, args) -> dict:
+async def _second_turns(engines, tok, eos, split, prompts, args) -> list[tuple[str, list[int]]]:
+    """(category, chat-formatted ids) of each prompt's second turn: the prompt, the target's
+    greedy answer to it (speculative at T = 0: the target's own output), a follow-up request."""
+    from services.draft.training.follow_ups import follow_up_prompts
     sem = asyncio.Semaphore(args.concurrency)
 
-    async def one(i: int, rec) -> tuple[str, SpecResult, list[int] | None]:
+    async def first(i: int, rec) -> Example:
         async with sem:
             ids = chat_prompt_ids(tok, rec.text)
+            spec = await speculate(engines, f"first-{split}-{i}", ids, args.first_answer_tokens,
+                                   args.block_size, SamplingConfig(temperature=0.0), eos)
+            return Example(rec.id, rec.category, ids, spec.tokens, 0.0)
+
+    answers = await asyncio.gather(*(first(i, r) for i, r in enumerate(prompts)))
+    records, ids = follow_up_prompts(tok, {r.id: r.text for r in prompts}, list(answers), 0,
+                                     args.seed, max_prompt=1 << 30)
+    return [(r.category, i) for r, i in zip(records, ids)]
+
+
+async def _run_split(engines, eos, split, turns: list[tuple[str, list[int]]], temp, args
+                     ) -> dict:
+    """turns: (category, chat-formatted prompt ids) of each prompt."""
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def one(i: int, turn: tuple[str, list[int]]) -> tuple[str, SpecResult, list[int] | None]:
+        category, ids = turn
+        async with sem:
             sampling = SamplingConfig(temperature=temp, seed=args.seed + i)
             spec = await speculate(engines, f"ev-{split}-{temp}-{i}", ids, args.max_new_tokens,
                                    args.block_size, sampling, eos)
@@ -114,10 +146,10 @@ async def _run_split(engines, tok, eos, split, prompts, temp, args) -> dict:
             if temp == 0.0:
                 alone = (await speculate(engines, f"ar-{split}-{i}", ids, args.max_new_tokens, 1,
                                          sampling, eos)).tokens
-            return rec.category, spec, alone
+            return category, spec, alone
 
     t0 = time.perf_counter()
-    done = await asyncio.gather(*(one(i, r) for i, r in enumerate(prompts)))
+    done = await asyncio.gather(*(one(i, t) for i, t in enumerate(turns)))
     by_cat: dict[str, list[SpecResult]] = defaultdict(list)
     for cat, spec, _ in done:
         by_cat[cat].append(spec)
@@ -129,7 +161,7 @@ async def _run_split(engines, tok, eos, split, prompts, temp, args) -> dict:
                 positions[k] += 1
     steps = sum(s.steps for s in specs)
     return {
-        "split": split, "temperature": temp, "prompts": len(prompts),
+        "split": split, "temperature": temp, "prompts": len(turns),
         "tau": round(_tau(specs), 3),
         "per_category": {c: round(_tau(v), 3) for c, v in sorted(by_cat.items())},
         "per_position": [round(p / max(1, steps), 4) for p in positions],
