@@ -27,6 +27,15 @@ class FollowUp:
     text: str
 
 
+def first_prompt_id(prompt_id: str) -> str:
+    """The training prompt an example answers: a second turn's id is that prompt's id + /f{k}."""
+    return prompt_id.split("/f", 1)[0]
+
+
+def is_second_turn(prompt_id: str) -> bool:
+    return first_prompt_id(prompt_id) != prompt_id
+
+
 def requests_for(category: str) -> list[str]:
     return sources.FOLLOW_UPS["*"] + sources.FOLLOW_UPS.get(category, [])
 
@@ -48,6 +57,7 @@ def follow_up_prompts(tok: ChatTokenizer, texts: dict[str, str], first: list[Exa
              {"role": "user", "content": request}], add_generation_prompt=True)
         conv = tok.encode(rendered)
         if len(conv) <= max_prompt:
-            records.append(FollowUp(f"{e.prompt_id}/f{set_index}", e.category, request))
+            records.append(FollowUp(f"{first_prompt_id(e.prompt_id)}/f{set_index}", e.category,
+                                    request))
             ids.append(conv)
     return records, ids

@@ -63,11 +63,12 @@ def write_card(draft_dir: Path, summary: dict) -> None:
         f"{summary['target_layer_ids']}, mask token id: {cfg['mask_token_id']}",
         f"- data: {summary['num_train_examples']} answers of the target itself to "
         f"{summary.get('num_train_prompts', '?')} training prompts of `data/prompts/train.jsonl` "
-        f"(answers per temperature: {summary.get('answers_by_temperature', {})})",
+        f"{_second_turns(summary)}(answers per temperature: "
+        f"{summary.get('answers_by_temperature', {})})",
         f"- labels: {'the target greedy chain from each anchor' if cfg.get('greedy_labels', True) else 'the answer tokens'}",
         f"- recipe: random anchors in the answer{_window(cfg)}, block [anchor, MASK x "
         f"{cfg['block_size'] - 1}], "
-        f"CE on positions 1..B-1 weighted exp(-(k-1)/{cfg['gamma']}); AdamW lr {cfg['lr']} "
+        f"CE on positions 1..B-1{_soft(cfg)} weighted exp(-(k-1)/{cfg['gamma']}); AdamW lr {cfg['lr']} "
         f"cosine, {cfg['steps']} steps x {cfg['batch_sequences']} sequences x "
         f"{cfg['blocks_per_sequence']} blocks, bf16 autocast, clip {cfg['grad_clip']}",
         f"- training time: {summary['train_seconds']} s",
@@ -88,3 +89,14 @@ def write_card(draft_dir: Path, summary: dict) -> None:
 def _window(cfg: dict) -> str:
     window = cfg.get("anchor_window", 0)
     return f" (its first {window} tokens)" if window else ""
+
+
+def _second_turns(summary: dict) -> str:
+    n = summary.get("num_second_turns", 0)
+    return (f"({n} of them to a second turn: a follow-up request after the target's own greedy "
+            "answer) ") if n else ""
+
+
+def _soft(cfg: dict) -> str:
+    w = cfg.get("soft_label_weight", 0.0)
+    return f" plus {w} x KL(target || draft)" if w else ""

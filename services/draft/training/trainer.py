@@ -41,6 +41,7 @@ from services.draft.training.blocks import (
 )
 from services.draft.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from services.draft.training.features import FeatureCache, FeatureExtractor
+from services.draft.training.follow_ups import first_prompt_id, is_second_turn
 from services.draft.training.generate import Example
 
 log = logging.getLogger("dflash.train")
@@ -310,7 +311,9 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
                "target_layer_ids": list(taps), "history": history,
                "train_seconds": round(time.monotonic() - t0, 1),
                "num_train_examples": len(batcher.examples),
-               "num_train_prompts": len({e.prompt_id for e in batcher.examples}),
+               "num_train_prompts": len({first_prompt_id(e.prompt_id)
+                                         for e in batcher.examples}),
+               "num_second_turns": sum(is_second_turn(e.prompt_id) for e in batcher.examples),
                "answers_by_temperature": dict(Counter(str(e.temperature)
                                                       for e in batcher.examples))}
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
