@@ -11,7 +11,9 @@ RUNS = [  # label, training.json
     ("second", "bench/results/training/smollm2_drafter2_training.json"),
     ("third", "bench/results/training/smollm2_drafter3_training.json"),
     ("fourth (gamma 3)", "bench/results/training/smollm2_drafter4_training.json"),
-    ("fifth (shipped, gamma 3, 24k steps)", "models/smollm2-135m-instruct-dflash/training.json"),
+    ("fifth (gamma 3, 24k steps)", "bench/results/training/smollm2_drafter5_training.json"),
+    ("sixth (shipped, + second turns, 20k steps)",
+     "models/smollm2-135m-instruct-dflash/training.json"),
 ]
 CONTINUED_FROM = "third"
 CONTINUED = "bench/results/training/smollm2_continued_training.json"

@@ -55,7 +55,7 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
     # follow-up turn, each set cached once in --work
     assert summary["answers_by_temperature"] == {"0.0": 24, "0.7": 36}
     assert summary["num_train_prompts"] == 12 and summary["num_second_turns"] == 24
-    assert "(24 of them to a second turn" in (out / "README.md").read_text()
+    assert "(24 of them to a second turn, " in (out / "README.md").read_text()
     assert summary["config"]["greedy_labels"] and summary["config"]["soft_label_weight"] == 0.5
     assert {p.name for p in (tmp_path / "work").glob("train*.jsonl")} == {
         "train_t0.0.jsonl", "train_t0.7.jsonl", "train_t0.7_s1.jsonl",

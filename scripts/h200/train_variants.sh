@@ -20,7 +20,7 @@ train_one() {   # NAME GPU STOP FLAGS...
   CUDA_VISIBLE_DEVICES=$gpu python3 -m dflash.cli train-draft --target "$T" --work out/work \
     --device cuda --mask-token-id 16 --sampled-temperature 0.7 --concurrency 1024 \
     --max-new-tokens 384 --out "out/drafter_$name" --samples-per-prompt 6 --layers 3 --taps 5 \
-    --lr 1e-3 --steps "${STEPS:-24000}" --batch-sequences 32 --blocks-per-sequence 32 \
+    --lr 1e-3 --steps "${STEPS:-20000}" --batch-sequences 32 --blocks-per-sequence 32 \
     --eval-sequences 128 --eval-every 4000 --stop-after "$stop" --cache-features \
     --checkpoint "out/checkpoint_$name.pt" "$@" 2>&1 | tr '\r' '\n' \
     | grep -vE "^\[#*\.+\]" >> "out/train_$name.log"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -107,9 +108,12 @@ def generate(runner: TargetRunner, prompts: list, ids: list[list[int]], temperat
 
 
 def save_examples(examples: list[Example], path: Path) -> None:
-    with open(path, "w") as f:
+    """Written whole or not at all (runs sharing a --work folder may write the same set)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
         for e in examples:
             f.write(json.dumps(asdict(e)) + "\n")
+    tmp.replace(path)
 
 
 def shuffled(examples: list[Example], seed: int) -> list[Example]:

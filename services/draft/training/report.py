@@ -63,7 +63,7 @@ def write_card(draft_dir: Path, summary: dict) -> None:
         f"{summary['target_layer_ids']}, mask token id: {cfg['mask_token_id']}",
         f"- data: {summary['num_train_examples']} answers of the target itself to "
         f"{summary.get('num_train_prompts', '?')} training prompts of `data/prompts/train.jsonl` "
-        f"{_second_turns(summary)}(answers per temperature: "
+        f"({_second_turns(summary)}answers per temperature: "
         f"{summary.get('answers_by_temperature', {})})",
         f"- labels: {'the target greedy chain from each anchor' if cfg.get('greedy_labels', True) else 'the answer tokens'}",
         f"- recipe: random anchors in the answer{_window(cfg)}, block [anchor, MASK x "
@@ -93,8 +93,8 @@ def _window(cfg: dict) -> str:
 
 def _second_turns(summary: dict) -> str:
     n = summary.get("num_second_turns", 0)
-    return (f"({n} of them to a second turn: a follow-up request after the target's own greedy "
-            "answer) ") if n else ""
+    return (f"{n} of them to a second turn, a follow-up request after the target's own greedy "
+            "answer; ") if n else ""
 
 
 def _soft(cfg: dict) -> str:
