@@ -127,7 +127,7 @@ async def _second_turns(engines, tok, eos, split, prompts, args) -> list[tuple[s
 
     answers = await asyncio.gather(*(first(i, r) for i, r in enumerate(prompts)))
     records, ids = follow_up_prompts(tok, {r.id: r.text for r in prompts}, list(answers), 0,
-                                     args.seed, max_prompt=1 << 30)
+                                     args.seed, max_prompt=None)
     return [(r.category, i) for r, i in zip(records, ids)]
 
 

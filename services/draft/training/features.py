@@ -29,10 +29,11 @@ class FeatureExtractor:
     @property
     def width(self) -> int:
         """K*H: one token's features."""
-        return len(self.layers) * self.runner.model.cfg.hidden_size
+        return len(self.layers) * self.hidden_size
 
     @property
     def hidden_size(self) -> int:
+        """H: the target's hidden size (one tapped layer, or the LM head's input)."""
         return self.runner.model.cfg.hidden_size
 
     @torch.inference_mode()

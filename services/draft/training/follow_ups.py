@@ -41,10 +41,11 @@ def requests_for(category: str) -> list[str]:
 
 
 def follow_up_prompts(tok: ChatTokenizer, texts: dict[str, str], first: list[Example],
-                      set_index: int, seed: int, max_prompt: int = MAX_PROMPT_TOKENS
+                      set_index: int, seed: int, max_prompt: int | None = MAX_PROMPT_TOKENS
                       ) -> tuple[list[FollowUp], list[list[int]]]:
     """texts: prompt id -> first user message; first: the target's greedy answers to them ->
-    (follow-up records, their conversations' chat-formatted ids), in `first`'s order."""
+    (follow-up records, their conversations' chat-formatted ids), in `first`'s order, leaving
+    out conversations over max_prompt tokens (None: none left out)."""
     records: list[FollowUp] = []
     ids: list[list[int]] = []
     for e in first:
@@ -56,7 +57,7 @@ def follow_up_prompts(tok: ChatTokenizer, texts: dict[str, str], first: list[Exa
              {"role": "assistant", "content": answer},
              {"role": "user", "content": request}], add_generation_prompt=True)
         conv = tok.encode(rendered)
-        if len(conv) <= max_prompt:
+        if max_prompt is None or len(conv) <= max_prompt:
             records.append(FollowUp(f"{first_prompt_id(e.prompt_id)}/f{set_index}", e.category,
                                     request))
             ids.append(conv)
