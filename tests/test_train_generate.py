@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.models.dflash import TargetHead
 from runtime.tokenizer import ChatTokenizer
 from services.draft.training.blocks import block_inputs, block_loss, soft_targets
 from services.draft.training.features import FeatureCache, FeatureExtractor
@@ -126,14 +127,10 @@ def test_soft_targets_are_the_targets_lm_head_inputs_before_each_draft_position(
     assert got.tolist() == [[[2, 3, 4, 5], [7, 8, 9, 9]], [[100, 101, 102, 103], [105, 106, 107, 108]]]
 
 
-class _Head:
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.lm_head_weight = weight
-
-
 def test_soft_label_loss_is_zero_kl_where_the_draft_matches_the_target_and_only_where_labelled():
     torch.manual_seed(0)
-    head = _Head(torch.randn(50, 8))
+    weight = torch.randn(50, 8)
+    head = TargetHead(weight, weight)                # tied: embedding = LM head
     hidden = torch.randn(1, 2, 4, 8)                  # [S, nb, B, H]
     labels = torch.tensor([[[3, 4, 5], [6, -100, -100]]])
     w = torch.ones(3)

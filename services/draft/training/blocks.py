@@ -133,14 +133,15 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, head: TargetHead,
     h = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])
     logits = _logits(h, head)
     flat = labels.reshape(-1)
+    labelled = flat >= 0
     ce = F.cross_entropy(logits, flat.clamp(min=0), reduction="none")
     if target_final is not None and soft_weight > 0:
-        rows = (flat >= 0).nonzero().squeeze(1)       # labelled only: off-chain rows are many
+        rows = labelled.nonzero().squeeze(1)          # labelled only: off-chain rows are many
         with torch.no_grad():
             t_logp = F.log_softmax(_logits(target_final.reshape(h.shape)[rows], head), dim=-1)
         kl = (t_logp.exp() * (t_logp - F.log_softmax(logits[rows], dim=-1))).sum(-1)
         ce = ce.index_add(0, rows, soft_weight * kl)
-    valid = (flat >= 0).float()
+    valid = labelled.float()
     w = weights.repeat(labels.shape[0] * labels.shape[1]) * valid
     loss = (ce * w).sum() / w.sum().clamp(min=1.0)
     correct = ((logits.argmax(-1) == flat).float() * valid).view(-1, labels.shape[-1])
