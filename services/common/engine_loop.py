@@ -1,7 +1,9 @@
 """Continuous batching: RPC handlers submit work and await it; one engine thread owns the model
 and runs everything pending as one batch per iteration, up to a token budget, with no waiting
 window. Latency-critical work (verify/propose blocks, releases) is taken first, then prompt
-work FIFO with what is left of the budget; prompts larger than the rest are split into chunks."""
+work FIFO with what is left of the budget; prompts larger than the rest are split into chunks.
+Work whose caller went away (a cancelled RPC) is dropped before it runs, except detached work:
+a Release runs even when its RPC timed out, so memory never waits for a sequence's lease."""
 from __future__ import annotations
 
 import asyncio
@@ -22,6 +24,8 @@ class Work:
     payload: Any
     cost: int                         # tokens this work puts through the model
     splittable: bool = False          # prompt work: may run in chunks across iterations
+    detached: bool = False            # runs even when its caller has gone (a Release: memory is
+                                      # freed whether or not anyone still waits for the answer)
     done_tokens: int = 0              # progress of a split work
     state: dict[str, Any] = field(default_factory=dict)   # scratch for the step (chunk outputs)
     future: asyncio.Future | None = None
@@ -34,7 +38,8 @@ class Work:
         return self.cost - self.done_tokens
 
     def cancelled(self) -> bool:
-        return self.future is not None and self.future.cancelled()
+        """Its caller gave up before it ran: it is dropped (never for a detached work)."""
+        return not self.detached and self.future is not None and self.future.cancelled()
 
     def resolve(self, result: Any) -> None:
         self.finished = True
@@ -142,9 +147,7 @@ class EngineLoop:
                     else:
                         continue
                     batch.append((w, n))
-                    budget -= n
-                    if budget <= 0:
-                        break
+                    budget = max(budget - n, 0)  # no break: works of cost 0 (releases) still fit
             self._running = len(batch)
             return batch
 

@@ -64,7 +64,7 @@ class DraftEngine:
                                            cost=call.num_new + call.block_size))
 
     async def release(self, seq_id: str) -> bool:
-        return await self.loop.submit(Work("release", seq_id, None, cost=0))
+        return await self.loop.submit(Work("release", seq_id, None, cost=0, detached=True))
 
     # -- engine thread -------------------------------------------------------------------------
     def _step(self, batch: list[tuple[Work, int]]) -> None:

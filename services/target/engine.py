@@ -90,7 +90,7 @@ class TargetEngine:
         return await self.loop.submit(Work("verify", seq_id, tokens, cost=len(tokens)))
 
     async def release(self, seq_id: str) -> bool:
-        return await self.loop.submit(Work("release", seq_id, None, cost=0))
+        return await self.loop.submit(Work("release", seq_id, None, cost=0, detached=True))
 
     # -- engine thread -------------------------------------------------------------------------
     def _step(self, batch: list[tuple[Work, int]]) -> None:

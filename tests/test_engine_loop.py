@@ -1,0 +1,94 @@
+"""The engine loop's scheduling contract with a recording step (the loop is the real one; the step
+stands for a model forward): work whose caller went away is dropped before it runs, except
+detached work (a Release), and works of cost 0 are taken even when the token budget is spent.
+
+Found by the soak test in CI: a Release that waited behind a busy engine for longer than the
+gateway's release timeout was cancelled with its RPC and dropped, so the draft kept the sequence
+until its lease (120 s) expired."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from services.common.engine_loop import EngineLoop, Work
+
+
+class Recorder:
+    """A step that records what each iteration ran; the first iteration blocks until `go`."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[str, str, int]]] = []
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def __call__(self, batch: list[tuple[Work, int]]) -> None:
+        self.entered.set()
+        self.go.wait(10)
+        self.batches.append([(w.kind, w.seq_id, n) for w, n in batch])
+        for w, _ in batch:
+            w.resolve(w.kind)
+
+    @property
+    def ran(self) -> list[tuple[str, str]]:
+        return [(kind, seq) for batch in self.batches for kind, seq, _ in batch]
+
+
+def run_with_blocked_engine(budget: int, scenario) -> Recorder:
+    """Starts a loop whose first iteration (a verify of "busy") blocks; `scenario(loop)` runs
+    meanwhile, then the engine goes on and everything queued is run."""
+    step = Recorder()
+    loop = EngineLoop(step, token_budget=budget, name="engine-loop-test")
+
+    async def main():
+        loop.start()
+        busy = asyncio.ensure_future(loop.submit(Work("verify", "busy", None, cost=budget)))
+        await asyncio.to_thread(step.entered.wait, 5)
+        await scenario(loop)
+        step.go.set()
+        await busy
+        await asyncio.to_thread(lambda: _wait_idle(loop))
+
+    try:
+        asyncio.run(main())
+    finally:
+        step.go.set()
+        loop.stop()
+    return step
+
+
+def _wait_idle(loop: EngineLoop) -> None:
+    deadline = time.monotonic() + 5
+    while (loop.waiting or loop.running) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_release_whose_caller_gave_up_still_runs():
+    async def scenario(loop: EngineLoop):
+        release = asyncio.ensure_future(
+            loop.submit(Work("release", "a", None, cost=0, detached=True)))
+        propose = asyncio.ensure_future(loop.submit(Work("propose", "b", None, cost=1)))
+        await asyncio.sleep(0.05)
+        release.cancel()                  # the gateway's release timeout passed
+        propose.cancel()                  # the request went away
+        await asyncio.gather(release, propose, return_exceptions=True)
+
+    step = run_with_blocked_engine(8, scenario)
+    assert ("release", "a") in step.ran
+    assert ("propose", "b") not in step.ran     # an ordinary work is dropped
+
+
+def test_works_of_cost_zero_are_taken_when_the_budget_is_spent():
+    async def scenario(loop: EngineLoop):
+        works = [loop.submit(Work("propose", "p", None, cost=4)),
+                 loop.submit(Work("propose", "q", None, cost=4)),
+                 loop.submit(Work("release", "r", None, cost=0, detached=True))]
+        pending = [asyncio.ensure_future(w) for w in works]
+        await asyncio.sleep(0.05)
+        return pending
+
+    step = run_with_blocked_engine(4, scenario)
+    second = step.batches[1]
+    assert ("propose", "p", 4) in second and ("release", "r", 0) in second
+    assert ("propose", "q", 4) not in second     # over the budget: next iteration
+    assert ("propose", "q") in step.ran
