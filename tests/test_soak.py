@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from support.prom import scrape
 from support.reliability import (
     Streams,
     gauge,
@@ -49,6 +50,24 @@ def stack(tmp_path_factory, smollm2_dir):
     st.stop()
 
 
+def handed_back(stack, service: str, gauges: tuple[str, ...], timeout: float = 30) -> None:
+    """Waits for the service's usage gauges to reach zero; on failure says what its RPCs and the
+    gateway's upstream calls ended with (the evidence a leak leaves)."""
+    port = getattr(stack, f"{service}_metrics")
+    try:
+        wait_for(lambda: all(gauge(port, m) == 0 for m in gauges), timeout,
+                 f"{service} usage at zero")
+    except TimeoutError as e:
+        usage = {m: gauge(port, m) for m in gauges}
+        rpcs = {f"{lb.get('method')}/{lb.get('code')}": v
+                for lb, v in scrape(port).get("dflash_rpc_requests_total", [])}
+        upstream = {f"{lb.get('upstream')}/{lb.get('code')}": v
+                    for lb, v in scrape(stack.gateway.http_port).get(
+                        "dflash_upstream_errors_total", [])}
+        raise AssertionError(f"{e}: usage {usage}; {service} RPCs {rpcs}; gateway upstream "
+                             f"errors {upstream}") from None
+
+
 def test_soak(stack):
     gw = stack.gateway
     model = httpx.get(f"{gw.http_url}/v1/models").json()["data"][0]["id"]
@@ -69,13 +88,9 @@ def test_soak(stack):
     out = asyncio.run(run())
     seconds = time.monotonic() - t0
     # everything handed back
-    wait_for(lambda: all(gauge(stack.target_metrics, m) == 0 for m in (
-        "dflash_kv_cache_usage_ratio", "dflash_state_pool_usage_ratio",
-        "dflash_sequences_active")), 30, "target usage at zero")
-    wait_for(lambda: gauge(stack.draft_metrics, "dflash_kv_cache_usage_ratio") == 0
-             and gauge(stack.draft_metrics, "dflash_sequences_active") == 0, 30,
-             "draft usage at zero")
-    from support.prom import scrape
+    handed_back(stack, "target", ("dflash_kv_cache_usage_ratio", "dflash_state_pool_usage_ratio",
+                                  "dflash_sequences_active"))
+    handed_back(stack, "draft", ("dflash_kv_cache_usage_ratio", "dflash_sequences_active"))
     gw_metrics = scrape(gw.http_port)
     queue = sum(v for lb, v in gw_metrics.get("dflash_requests_running", []) +
                 gw_metrics.get("dflash_requests_waiting", []) if lb.get("service") == "gateway")
