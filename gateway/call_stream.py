@@ -48,6 +48,7 @@ class CallStream:
         self._stream: _Stream | None = None
         self._ids = itertools.count(1)
         self.opened = 0                        # streams opened so far
+        self._withdrawals: dict[str, set[asyncio.Task]] = {}   # sequence id -> settling cancels
 
     async def call(self, request: Any, timeout: float) -> Any:
         """The call's response; CallFailed with the call's (or the stream's) status."""
@@ -64,14 +65,42 @@ class CallStream:
                              f"Deadline Exceeded: no answer within {timeout:g} s on the "
                              f"{self.name}") from None
         except asyncio.CancelledError:     # the request went away: stop the call on the server
-            await stream.withdraw(call_id, self._request_type(call_id=call_id, cancel=True))
+            self._withdraw(stream, call_id, getattr(request, "sequence_id", ""))
             raise
         finally:
-            stream.pending.pop(call_id, None)
+            if stream.pending.get(call_id) is future:
+                del stream.pending[call_id]
         if reply.status.code:
             raise CallFailed(CODES.get(reply.status.code, grpc.StatusCode.UNKNOWN),
                              reply.status.message)
         return reply.response
+
+    async def settled(self, sequence_id: str) -> None:
+        """Returns once the calls of this sequence that were cancelled on this stream are
+        answered by the server (or CANCEL_SETTLE_S passed): a Release sent afterwards then
+        reaches the service's engine after them, never before a call that would create the
+        sequence again."""
+        tasks = self._withdrawals.get(sequence_id)
+        if tasks:
+            await asyncio.wait(set(tasks))
+
+    def _withdraw(self, stream: _Stream, call_id: int, sequence_id: str) -> None:
+        """Asks the server to cancel the call and settles it in the background: the caller's
+        cancellation completes at once (a client that hangs up may be cancelled again and
+        again, as anyio's cancel scopes do), and `settled` is what a Release waits for."""
+        settling = stream.withdraw(call_id, self._request_type(call_id=call_id, cancel=True))
+        if settling is None:
+            return
+        task = asyncio.ensure_future(_settle(stream, call_id, settling))
+        tasks = self._withdrawals.setdefault(sequence_id, set())
+        tasks.add(task)
+        task.add_done_callback(lambda t: self._settled(sequence_id, t))
+
+    def _settled(self, sequence_id: str, task: asyncio.Task) -> None:
+        tasks = self._withdrawals.get(sequence_id, set())
+        tasks.discard(task)
+        if not tasks:
+            self._withdrawals.pop(sequence_id, None)
 
     async def close(self) -> None:
         if self._stream is not None:
@@ -104,21 +133,21 @@ class _Stream:
         self.outbox.put_nowait(message)
         return future
 
-    async def withdraw(self, call_id: int, cancel: Any) -> None:
-        """The caller gave up on a call. Not written yet: it never will be. Else the server is
-        asked to cancel it, and this waits (bounded) for its answer: whatever the caller sends
-        next (a Release) then reaches the service after the call was dropped or handed to its
-        engine, as after a cancelled unary call."""
+    def withdraw(self, call_id: int, cancel: Any) -> asyncio.Future | None:
+        """The caller gave up on a call. Not written yet: it never will be (None). Else the
+        server is asked to cancel it; the future returned gets its answer (CANCELLED, or the
+        call's own if it was already being answered): after that, whatever is sent next (a
+        Release) reaches the service after the call was dropped or handed to its engine, as
+        after a cancelled unary call."""
         if call_id in self.unsent:
             self.unsent.discard(call_id)
-            return
+            self.pending.pop(call_id, None)
+            return None
         if self.broken or call_id not in self.pending:
-            return                             # the stream ended, or the answer came already
-        settled = self.pending[call_id] = asyncio.get_running_loop().create_future()
+            return None                        # the stream ended, or the answer came already
+        settling = self.pending[call_id] = asyncio.get_running_loop().create_future()
         self.outbox.put_nowait(cancel)
-        with contextlib.suppress(TimeoutError, CallFailed):
-            async with asyncio.timeout(CANCEL_SETTLE_S):
-                await settled
+        return settling
 
     async def close(self, why: str) -> None:
         self._break(why)
@@ -166,6 +195,14 @@ class _Stream:
         for task in self.tasks:
             if task is not current:
                 task.cancel()
+
+
+async def _settle(stream: _Stream, call_id: int, settling: asyncio.Future) -> None:
+    """Waits (bounded) for a withdrawn call's answer."""
+    with contextlib.suppress(TimeoutError, CallFailed):
+        async with asyncio.timeout(CANCEL_SETTLE_S):
+            await settling
+    stream.pending.pop(call_id, None)
 
 
 def _describe(e: Exception) -> tuple[str, grpc.StatusCode]:

@@ -399,7 +399,9 @@ class Generation:
 
 
 async def _release(upstream: Upstream, seq_id: str, timeout: float) -> None:
-    """Best effort: a service that is down has lost the sequence, or its lease frees it."""
+    """Best effort: a service that is down has lost the sequence, or its lease frees it. Sent
+    after the sequence's cancelled calls were answered, so that none of them runs after it."""
+    await upstream.settled(seq_id)
     try:
         await upstream.stub.Release(common_pb2.ReleaseRequest(sequence_id=seq_id), timeout=timeout)
     except grpc.aio.AioRpcError as e:

@@ -120,6 +120,12 @@ class Upstream:
         except CallFailed as e:
             raise self._failed(method, e.code, e.details) from None
 
+    async def settled(self, sequence_id: str) -> None:
+        """Returns once this sequence's cancelled calls on the call streams are answered (bounded):
+        the Release of a sequence is sent after this."""
+        for stream in list(self.streams.values()):
+            await stream.settled(sequence_id)
+
     async def _streamed(self, method: str, request: Any, timeout: float) -> Any:
         try:
             return await self.streams[method].call(request, timeout)

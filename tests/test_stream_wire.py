@@ -134,21 +134,28 @@ def test_a_call_past_its_deadline_fails_alone():
     asyncio.run(main())
 
 
-def test_a_cancelled_call_is_cancelled_on_the_server():
+@pytest.mark.parametrize("cancels", [1, 50])
+def test_a_cancelled_call_is_cancelled_on_the_server(cancels):
     """The gateway's request goes away mid-call: the call stops on the server too (as a
-    cancelled unary call would) and is answered CANCELLED before the caller's cancellation
-    completes (so a Release sent next comes after it); the stream goes on."""
+    cancelled unary call would) and is answered CANCELLED; `settled(sequence)`, which every
+    Release waits for, returns only after that answer, so a Release never overtakes the call.
+    Also when the caller is cancelled again and again (anyio's cancel scopes do that to a
+    streaming HTTP response whose client hung up). The stream goes on."""
     async def main():
         port = free_port()
         async with fake_server(port) as fake:
             up = upstream(port)
             slow = asyncio.create_task(outcome(up, "slow"))
             await asyncio.sleep(0.2)
-            slow.cancel()
+            for _ in range(cancels):
+                slow.cancel()
+                await asyncio.sleep(0)
             with pytest.raises(asyncio.CancelledError):
                 await slow
-            assert fake.cancelled == ["slow"] and await outcome(up, "s1") == [2, 2]
-            assert up.streams["Verify"].opened == 1
+            await up.settled("slow")
+            assert fake.cancelled == ["slow"]
+            assert not up.streams["Verify"]._withdrawals         # nothing left to settle
+            assert await outcome(up, "s1") == [2, 2] and up.streams["Verify"].opened == 1
             await up.close()
     asyncio.run(main())
 
