@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
+
+from support.gateway_stack import wait_until
 
 from services.common.engine_loop import EngineLoop, Work
 
@@ -47,7 +48,8 @@ def run_with_blocked_engine(budget: int, scenario) -> Recorder:
         await scenario(loop)
         step.go.set()
         await busy
-        await asyncio.to_thread(lambda: _wait_idle(loop))
+        await asyncio.to_thread(wait_until, lambda: not (loop.waiting or loop.running), 5,
+                                0.01, "the engine idle")
 
     try:
         asyncio.run(main())
@@ -55,12 +57,6 @@ def run_with_blocked_engine(budget: int, scenario) -> Recorder:
         step.go.set()
         loop.stop()
     return step
-
-
-def _wait_idle(loop: EngineLoop) -> None:
-    deadline = time.monotonic() + 5
-    while (loop.waiting or loop.running) and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def test_a_release_whose_caller_gave_up_still_runs():
@@ -80,12 +76,10 @@ def test_a_release_whose_caller_gave_up_still_runs():
 
 def test_works_of_cost_zero_are_taken_when_the_budget_is_spent():
     async def scenario(loop: EngineLoop):
-        works = [loop.submit(Work("propose", "p", None, cost=4)),
-                 loop.submit(Work("propose", "q", None, cost=4)),
-                 loop.submit(Work("release", "r", None, cost=0, detached=True))]
-        pending = [asyncio.ensure_future(w) for w in works]
-        await asyncio.sleep(0.05)
-        return pending
+        for work in (Work("propose", "p", None, cost=4), Work("propose", "q", None, cost=4),
+                     Work("release", "r", None, cost=0, detached=True)):
+            asyncio.ensure_future(loop.submit(work))
+        await asyncio.sleep(0.05)             # all three queued behind the busy iteration
 
     step = run_with_blocked_engine(4, scenario)
     second = step.batches[1]

@@ -50,10 +50,10 @@ def stack(tmp_path_factory, smollm2_dir):
     st.stop()
 
 
-def handed_back(stack, service: str, gauges: tuple[str, ...], timeout: float = 30) -> None:
-    """Waits for the service's usage gauges to reach zero; on failure says what its RPCs and the
-    gateway's upstream calls ended with (the evidence a leak leaves)."""
-    port = getattr(stack, f"{service}_metrics")
+def handed_back(stack, service: str, port: int, gauges: tuple[str, ...],
+                timeout: float = 30) -> None:
+    """Waits for the usage gauges on a service's metrics port to reach zero; on failure says what
+    its RPCs and the gateway's upstream calls ended with (the evidence a leak leaves)."""
     try:
         wait_for(lambda: all(gauge(port, m) == 0 for m in gauges), timeout,
                  f"{service} usage at zero")
@@ -88,9 +88,10 @@ def test_soak(stack):
     out = asyncio.run(run())
     seconds = time.monotonic() - t0
     # everything handed back
-    handed_back(stack, "target", ("dflash_kv_cache_usage_ratio", "dflash_state_pool_usage_ratio",
-                                  "dflash_sequences_active"))
-    handed_back(stack, "draft", ("dflash_kv_cache_usage_ratio", "dflash_sequences_active"))
+    handed_back(stack, "target", stack.target_metrics, (
+        "dflash_kv_cache_usage_ratio", "dflash_state_pool_usage_ratio", "dflash_sequences_active"))
+    handed_back(stack, "draft", stack.draft_metrics,
+                ("dflash_kv_cache_usage_ratio", "dflash_sequences_active"))
     gw_metrics = scrape(gw.http_port)
     queue = sum(v for lb, v in gw_metrics.get("dflash_requests_running", []) +
                 gw_metrics.get("dflash_requests_waiting", []) if lb.get("service") == "gateway")

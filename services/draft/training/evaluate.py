@@ -25,6 +25,7 @@ from runtime.attention.registry import default_backend
 from runtime.sampling import SamplingConfig
 from runtime.tokenizer import ChatTokenizer
 from services.draft.config import DraftConfig
+from services.draft.training.follow_ups import follow_up_prompts
 from services.draft.training.generate import Example, chat_prompt_ids
 from services.draft.training.inproc import SpecResult, speculate, start_engines
 from services.target.config import TargetConfig
@@ -115,7 +116,6 @@ def _result(args: argparse.Namespace, target_dir: str, runs: list[dict], complet
 async def _second_turns(engines, tok, eos, split, prompts, args) -> list[tuple[str, list[int]]]:
     """(category, chat-formatted ids) of each prompt's second turn: the prompt, the target's
     greedy answer to it (speculative at T = 0: the target's own output), a follow-up request."""
-    from services.draft.training.follow_ups import follow_up_prompts
     sem = asyncio.Semaphore(args.concurrency)
 
     async def first(i: int, rec) -> Example:
