@@ -78,3 +78,54 @@ def test_train_draft_refuses_layer_ids_outside_the_target_before_generating(tiny
     assert done.returncode == 2, done.stderr[-2000:]
     assert "target_layer_ids [1, 6] must be distinct ids in [0, 6)" in done.stderr
     assert not (tmp_path / "work").exists()          # refused before any answer was generated
+
+
+def _generate(target: Path, work: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dflash.cli", "train-draft", "--target", str(target),
+           "--out", str(work.parent / "unused"), "--work", str(work), "--device", "cpu",
+           "--dtype", "float32", "--mask-token-id", "16", "--target-layer-ids", "1", "5",
+           "--max-new-tokens", "12",
+           "--limit-prompts", "6", "--limit-eval", "2", "--concurrency", "4", "--seed", "3",
+           "--samples-per-prompt", "2", "--follow-ups", "2", "--generate-only", *extra]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          check=False)
+
+
+@pytest.mark.slow
+def test_sets_made_in_parallel_or_one_at_a_time_equal_those_of_one_process(tiny_chat_target,
+                                                                          tmp_path):
+    """Answer sets made by spawned processes (--generation-processes, the GPU default) or by
+    one process per set (--only-set) equal the seeded sets that one process makes in turn."""
+    whole, split, parallel = tmp_path / "whole", tmp_path / "split", tmp_path / "parallel"
+    done = _generate(tiny_chat_target, whole)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "answer sets, " not in done.stderr             # one process on the CPU by default
+    done = _generate(tiny_chat_target, parallel, "--generation-processes", "3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "generating 3 answer sets, 3 processes at a time: follow-ups 0 1" in done.stderr
+    done = _generate(tiny_chat_target, split, "--only-set", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {p.name for p in split.glob("train*.jsonl")} == {"train_t0.0.jsonl",
+                                                          "train_t0.7_s1.jsonl"}
+    for name in ("0", "follow-ups"):
+        done = _generate(tiny_chat_target, split, "--only-set", name)
+        assert done.returncode == 0, done.stderr[-3000:]
+    names = sorted(p.name for p in whole.glob("*.jsonl"))
+    assert len(names) == 7, names
+    for other in (split, parallel):
+        assert names == sorted(p.name for p in other.glob("*.jsonl")), other
+        for name in names:
+            assert (other / name).read_text() == (whole / name).read_text(), (other, name)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("2", ("--only-set '2': give 'follow-ups' or a sampled set's index, 0 to 1 "
+           "(--samples-per-prompt 2)")),
+    ("followups", "--only-set 'followups': give 'follow-ups' or a sampled set's index"),
+])
+def test_only_set_refuses_an_unknown_set_before_generating(tiny_chat_target, tmp_path, value,
+                                                           message):
+    done = _generate(tiny_chat_target, tmp_path / "work", "--only-set", value)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr
+    assert not (tmp_path / "work").exists()

@@ -2,9 +2,13 @@
 # scripts/h200/assemble_smollm2.sh: the phases of training the shipped SmolLM2 drafter, each
 # within one device call (10 min). Work files stay in out/ (ignored, kept while the machine is
 # warm); results go to $OUT.
-#   bash scripts/h200/train_drafter.sh gen   [SAMPLES] [BUDGET_S]  answers (+ step-time probe)
+#   bash scripts/h200/train_drafter.sh gen   [SAMPLES]             answers (+ step-time probe)
 #   bash scripts/h200/train_drafter.sh train STEPS [SAMPLES] [EXTRA...]  train + held-out tau
 #   bash scripts/h200/train_drafter.sh eval                           e2e bench (eval-draft: EVAL=1)
+#   bash scripts/h200/train_drafter.sh bg STEPS [SAMPLES] [EXTRA...]  `train` in the background
+#   bash scripts/h200/train_drafter.sh watch [SECONDS]  follow it; when done, its results to $OUT
+# bg: the run outlives the call (setsid) while calls follow each other within the machine's
+# warm time; it keeps its feature cache, which a resumed --stop-after run has to rebuild.
 # train: STOP=SECONDS pauses the run after that long (checkpoint in out/work); the same command
 # in the next call resumes it. CACHE=1 keeps every sequence's features in device memory.
 set -u
@@ -19,17 +23,11 @@ mkdir -p "$W" "$OUT"
 COMMON=(--target "$T" --work "$W" --device "$DEVICE" --mask-token-id 16 --sampled-temperature 0.7
         --concurrency 1024 --max-new-tokens 384 ${EXTRA:-})   # EXTRA: e.g. a CPU dry run's limits
 case $PHASE in
-gen)
-  SAMPLES=${1:-8}; BUDGET=${2:-330}
+gen)   # the sets in parallel processes (train-draft's default on a GPU): about 3 minutes
+  SAMPLES=${1:-6}
   [ -f "$W/train_t0.0.jsonl" ] || tar xzf data/train-answers/smollm2-answers-greedy.tgz -C out
-  start=$(date +%s); last=0
-  for k in $(seq 1 "$SAMPLES"); do
-    now=$(date +%s)
-    if [ $((now - start + last)) -gt "$BUDGET" ]; then echo "budget: stop before sample $k"; break; fi
-    python3 -m dflash.cli train-draft "${COMMON[@]}" --out out/unused --samples-per-prompt "$k" \
-      --generate-only 2>&1 | grep -E "generated [0-9]+ answers,|Error|error" | tail -2
-    last=$(( $(date +%s) - now )); echo "sample set $k: ${last}s"
-  done
+  python3 -m dflash.cli train-draft "${COMMON[@]}" --out out/unused --samples-per-prompt "$SAMPLES" \
+    --generate-only 2>&1 | grep -E "answers,|answer sets|Error|error"
   ls -la "$W"; tar czf "$OUT/answers.tgz" -C out work
   [ -n "${PROBE:-}" ] || exit 0
   for ops in 1 0; do
@@ -41,12 +39,28 @@ gen)
       --blocks-per-sequence 32 2>/dev/null | sed "s/^/parallel$i /" &
   done
   wait ;;
+bg)
+  mkdir -p out/result; rm -f out/train_raw.log
+  OUT=$PWD/out/result setsid nohup bash scripts/h200/train_drafter.sh train "$@" \
+    > out/bg.log 2>&1 < /dev/null &
+  sleep 5; cat out/bg.log ;;
+watch)
+  end=$(( $(date +%s) + ${1:-540} ))
+  while pgrep -f "train_drafter.sh train" > /dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  tr '\r' '\n' < out/train_raw.log | grep -vE "^\[#*\.*\]" | tail -6
+  tr '\r' '\n' < out/train_raw.log | grep -E "^\[#*\.*\]" | tail -1
+  if ! pgrep -f "train_drafter.sh train" > /dev/null; then
+    cat out/bg.log; cp -r out/result/. "$OUT/"; echo "finished: results in \$OUT"
+    [ -f out/drafter/model.safetensors ] && timeout 240 python3 -m bench.simulated_tau \
+      --work "$W" --device "$DEVICE" --draft-model out/drafter --per-split 128 \
+      --max-new-tokens 96 --out "$OUT/drafter_simulated_96.json" 2>&1 | tail -3
+  fi ;;
 train)
   STEPS=$1; SAMPLES=${2:-6}; shift; shift || true
   python3 -m dflash.cli train-draft "${COMMON[@]}" --out out/drafter --samples-per-prompt "$SAMPLES" \
     --layers 3 --taps 5 --lr 1e-3 --steps "$STEPS" --batch-sequences 32 \
     --blocks-per-sequence 32 --eval-sequences 128 --eval-every ${EVAL_EVERY:-1000} \
-    --stop-after "${STOP:-0}" ${CACHE:+--cache-features} "$@" 2>&1 | tr '\r' '\n' \
+    --stop-after "${STOP:-0}" ${CACHE:+--cache-features} "$@" 2>&1 | tee out/train_raw.log | tr '\r' '\n' \
     | grep -vE "^\[#*\.+\]" | tail -25
   if [ -f out/drafter/training.json ]; then       # finished (a paused run exports nothing)
     mkdir -p "$OUT/drafter"

@@ -11,7 +11,9 @@ import random
 import shlex
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from multiprocessing import get_context
 from pathlib import Path
 
 from runtime.attention.registry import default_backend
@@ -73,6 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=4000, help="held-out tau every N steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generate-only", action="store_true")
+    p.add_argument("--generation-processes", type=int, default=0, metavar="N",
+                   help="training answer sets generated at once, one process each (default: "
+                        "up to 8 on a GPU, where generation is bound by the host's kernel "
+                        "launches and processes share the device well; 1 on the CPU)")
+    p.add_argument("--only-set", default="", metavar="SET",
+                   help="generate just one training answer set and stop: 'follow-ups' or a "
+                        "sampled set's index 0..N-1 (the greedy set first, when missing)")
     p.add_argument("--cache-features", action="store_true",
                    help="compute every training sequence's features once and keep them in "
                         "device memory (bf16: 2 x taps x hidden bytes per token) instead of "
@@ -90,8 +99,7 @@ def answers(args, split: str, temperature: float, prompts: list, work: Path, sam
             ids: list[list[int]] | None = None) -> list[Example]:
     """The target's answers to `prompts`, cached in WORK/{split}_t{T}[_s{sample}].jsonl. ids:
     the prompts' token ids (default: each prompt's text as one chat-formatted user turn)."""
-    suffix = f"_s{sample}" if sample else ""
-    path = work / f"{split}_t{temperature}{suffix}.jsonl"
+    path = set_path(work, split, temperature, sample)
     if path.is_file():
         return load_examples(path)
     if not prompts:
@@ -99,6 +107,16 @@ def answers(args, split: str, temperature: float, prompts: list, work: Path, sam
     examples = _generate(args, prompts, temperature, args.seed + 7919 * sample, ids)
     save_examples(examples, path)
     return examples
+
+
+def set_path(work: Path, split: str, temperature: float, sample: int = 0) -> Path:
+    suffix = f"_s{sample}" if sample else ""
+    return work / f"{split}_t{temperature}{suffix}.jsonl"
+
+
+def follow_up_temperature(args, k: int) -> float:
+    """Follow-up set k's: the first greedy, the others sampled at --sampled-temperature."""
+    return 0.0 if k == 0 or args.sampled_temperature <= 0 else args.sampled_temperature
 
 
 def attention_backend(args: argparse.Namespace) -> str:
@@ -116,9 +134,68 @@ def follow_up_answers(args, prompts: list, first: list[Example], work: Path) -> 
     out: list[Example] = []
     for k in range(args.follow_ups):
         records, ids = follow_up_prompts(tok, texts, first, k, args.seed)
-        temperature = 0.0 if k == 0 or args.sampled_temperature <= 0 else args.sampled_temperature
-        out += answers(args, "train-followup", temperature, records, work, k, ids)
+        out += answers(args, "train-followup", follow_up_temperature(args, k), records, work, k,
+                       ids)
     return out
+
+
+def one_set(args, name: str, prompts: list, greedy: list[Example], work: Path) -> None:
+    """--only-set NAME: the follow-up sets, or sampled set NAME (an index), as `run` would."""
+    if name == "follow-ups":
+        follow_up_answers(args, prompts, greedy, work)
+    else:
+        answers(args, "train", args.sampled_temperature, prompts, work, int(name))
+
+
+def missing_sets(args, work: Path) -> list[str]:
+    """The --only-set names of the training answer sets that WORK does not hold yet."""
+    names = []
+    if any(not set_path(work, "train-followup", follow_up_temperature(args, k), k).is_file()
+           for k in range(args.follow_ups)):
+        names.append("follow-ups")
+    if args.sampled_temperature > 0:
+        names += [str(k) for k in range(args.samples_per_prompt)
+                  if not set_path(work, "train", args.sampled_temperature, k).is_file()]
+    return names
+
+
+def generate_in_parallel(args, prompts: list, greedy: list[Example], work: Path) -> None:
+    """The missing training sets, each in its own spawned process, --generation-processes at a
+    time. Every set has its own seed, so they equal the sets one process makes in turn. With one
+    process (the CPU default) this does nothing: `run` generates them in turn."""
+    names = missing_sets(args, work)
+    cap = args.generation_processes or (8 if args.device.startswith("cuda") else 1)
+    if min(cap, len(names)) <= 1:
+        return
+    if args.device.startswith("cuda"):
+        import torch
+        torch.cuda.empty_cache()         # the greedy set's KV cache, before 8 others take theirs
+    log.info("generating %d answer sets, %d processes at a time: %s", len(names),
+             min(cap, len(names)), " ".join(names))
+    t0 = time.monotonic()
+    with ProcessPoolExecutor(min(cap, len(names)), mp_context=get_context("spawn")) as pool:
+        for job in [pool.submit(_set_job, args, n, prompts, greedy, work) for n in names]:
+            job.result()
+    log.info("generated %d answer sets in %.0f s", len(names), time.monotonic() - t0)
+
+
+def _set_job(args, name: str, prompts: list, greedy: list[Example], work: Path) -> None:
+    from services.common.logs import setup_logging
+    setup_logging("INFO", "train-draft")
+    one_set(args, name, prompts, greedy, work)
+
+
+def only_set_error(args) -> str:
+    """What is wrong with --only-set, or ''."""
+    name = args.only_set
+    if not name or name == "follow-ups":
+        return ""
+    if not name.isdigit() or int(name) >= args.samples_per_prompt:
+        return (f"--only-set {name!r}: give 'follow-ups' or a sampled set's index, 0 to "
+                f"{args.samples_per_prompt - 1} (--samples-per-prompt {args.samples_per_prompt})")
+    if args.sampled_temperature <= 0:
+        return f"--only-set {name}: sampled sets need --sampled-temperature > 0"
+    return ""
 
 
 def _generate(args, prompts: list, temperature: float, seed: int,
@@ -166,6 +243,9 @@ def run(args: argparse.Namespace) -> int:
                       stop_after_seconds=args.stop_after, cache_features=args.cache_features,
                       init_from=args.init_from, soft_label_weight=args.soft_labels,
                       feature_backend=attention_backend(args))
+    if err := only_set_error(args):
+        print(f"train-draft: {err}", file=sys.stderr)
+        return 2
     try:
         tapped_layers(cfg, int(read_config_json(args.target)["num_hidden_layers"]))
     except ValueError as e:
@@ -183,6 +263,10 @@ def run(args: argparse.Namespace) -> int:
     # evaluations take the first --eval-sequences of each split: shuffled, a sample of each
     held = {s: shuffled(answers(args, s, 0.0, p, work), args.seed) for s, p in eval_sets.items()}
     greedy = answers(args, "train", 0.0, train_prompts, work)
+    if args.only_set:
+        one_set(args, args.only_set, train_prompts, greedy, work)
+        return 0
+    generate_in_parallel(args, train_prompts, greedy, work)
     examples = greedy + follow_up_answers(args, train_prompts, greedy, work)
     if args.sampled_temperature > 0:
         for k in range(args.samples_per_prompt):
