@@ -12,7 +12,9 @@ RUNS = [  # label, training.json
     ("third", "bench/results/training/smollm2_drafter3_training.json"),
     ("fourth (gamma 3)", "bench/results/training/smollm2_drafter4_training.json"),
     ("fifth (gamma 3, 24k steps)", "bench/results/training/smollm2_drafter5_training.json"),
-    ("sixth (shipped, + second turns, 20k steps)",
+    ("sixth (+ second turns, 20k steps)",
+     "bench/results/training/smollm2_drafter6_training.json"),
+    ("seventh (shipped, + soft labels, 16k steps)",
      "models/smollm2-135m-instruct-dflash/training.json"),
 ]
 CONTINUED_FROM = "third"

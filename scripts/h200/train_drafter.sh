@@ -27,7 +27,7 @@ gen)   # the sets in parallel processes (train-draft's default on a GPU): about 
   SAMPLES=${1:-6}
   [ -f "$W/train_t0.0.jsonl" ] || tar xzf data/train-answers/smollm2-answers-greedy.tgz -C out
   python3 -m dflash.cli train-draft "${COMMON[@]}" --out out/unused --samples-per-prompt "$SAMPLES" \
-    --generate-only 2>&1 | grep -E "answers,|answer sets|Error|error"
+    --generate-only 2>&1 | grep -E "tokens in|answer sets|Error|error"
   ls -la "$W"; tar czf "$OUT/answers.tgz" -C out work
   [ -n "${PROBE:-}" ] || exit 0
   for ops in 1 0; do

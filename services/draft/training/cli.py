@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "spread over [1, layers-3], DFlash's rule)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mask-token-id", type=int, required=True)
-    p.add_argument("--steps", type=int, default=20000)
+    p.add_argument("--steps", type=int, default=16000)
     p.add_argument("--batch-sequences", type=int, default=32)
     p.add_argument("--blocks-per-sequence", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -62,9 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--follow-ups", type=int, default=2, metavar="N",
                    help="N answer sets to a second turn (a follow-up request after the target's "
                         "greedy first answer): the first greedy, the rest sampled (0 = none)")
-    p.add_argument("--soft-labels", type=float, default=0.0, metavar="W",
+    p.add_argument("--soft-labels", type=float, default=1.0, metavar="W",
                    help="add W x KL(target || draft) over the whole vocabulary at each labelled "
-                        "position to the cross-entropy (0 = cross-entropy only)")
+                        "position to the cross-entropy (0 = cross-entropy only; the shipped "
+                        "drafter's recipe: 1)")
     p.add_argument("--labels", choices=("greedy", "data"), default="greedy",
                    help="train on the target's greedy chain from each anchor (default) or on "
                         "the answer's own tokens")
