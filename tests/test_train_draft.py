@@ -118,14 +118,17 @@ def test_sets_made_in_parallel_or_one_at_a_time_equal_those_of_one_process(tiny_
             assert (other / name).read_text() == (whole / name).read_text(), (other, name)
 
 
-@pytest.mark.parametrize("value, message", [
-    ("2", ("--only-set '2': give 'follow-ups' or a sampled set's index, 0 to 1 "
-           "(--samples-per-prompt 2)")),
-    ("followups", "--only-set 'followups': give 'follow-ups' or a sampled set's index"),
+@pytest.mark.parametrize("flags, message", [
+    (("--only-set", "2"), ("--only-set '2': give 'follow-ups' or a sampled set's index, 0 to 1 "
+                           "(--samples-per-prompt 2)")),
+    (("--only-set", "followups"),
+     "--only-set 'followups': give 'follow-ups' or a sampled set's index"),
+    (("--generation-processes", "-2"),
+     "--generation-processes -2: give a count of processes (1 = one set after another)"),
 ])
-def test_only_set_refuses_an_unknown_set_before_generating(tiny_chat_target, tmp_path, value,
-                                                           message):
-    done = _generate(tiny_chat_target, tmp_path / "work", "--only-set", value)
+def test_bad_set_options_are_refused_before_generating(tiny_chat_target, tmp_path, flags,
+                                                       message):
+    done = _generate(tiny_chat_target, tmp_path / "work", *flags)
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr
     assert not (tmp_path / "work").exists()

@@ -147,3 +147,39 @@ def test_soft_label_loss_is_zero_kl_where_the_draft_matches_the_target_and_only_
     labelled = labels >= 0
     torch.testing.assert_close(got, ce + 0.5 * kl[labelled].mean())
     assert float(got) > float(ce)
+
+
+def _all_rows_loss(hidden, labels, head, weights, target_final, soft_weight):
+    """block_loss as it was before it skipped unlabelled rows: every row through the LM head,
+    weight 0 where unlabelled (the reference the faster one must equal)."""
+    h = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])
+    logits = h @ head.lm_head_weight.t()
+    flat = labels.reshape(-1)
+    valid = (flat >= 0).float()
+    ce = torch.nn.functional.cross_entropy(logits, flat.clamp(min=0), reduction="none")
+    t = torch.log_softmax(target_final.reshape(h.shape) @ head.lm_head_weight.t(), -1)
+    ce = ce + soft_weight * (t.exp() * (t - torch.log_softmax(logits, -1))).sum(-1) * valid
+    w = weights.repeat(labels.shape[0] * labels.shape[1]) * valid
+    correct = ((logits.argmax(-1) == flat).float() * valid).view(-1, labels.shape[-1])
+    acc = correct.sum(0) / valid.view(-1, labels.shape[-1]).sum(0).clamp(min=1.0)
+    return (ce * w).sum() / w.sum(), acc
+
+
+def test_block_loss_over_labelled_rows_equals_the_loss_over_all_rows_and_its_gradient():
+    torch.manual_seed(1)
+    weight = torch.randn(40, 8)
+    head = TargetHead(weight, weight)
+    labels = torch.randint(0, 40, (2, 3, 5))
+    labels[torch.rand(labels.shape) < 0.5] = -100     # half off the chain, as sampled answers
+    labels[1, 2] = -100                               # a block with no label at all
+    final = torch.randn(2, 3, 5, 8)
+    w = torch.exp(-torch.arange(5.0) / 3)
+    hidden = torch.randn(2, 3, 6, 8, requires_grad=True)
+    got, got_acc = block_loss(hidden, labels, head, w, final, 0.7)
+    (g_got,) = torch.autograd.grad(got, hidden)
+    want, want_acc = _all_rows_loss(hidden, labels, head, w, final, 0.7)
+    (g_want,) = torch.autograd.grad(want, hidden)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_acc, want_acc)
+    torch.testing.assert_close(g_got, g_want)
+    assert not g_got[1, 2].any()                     # an unlabelled block gets no gradient

@@ -129,21 +129,28 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, head: TargetHead,
                soft_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [S, nb, B, H], labels [S, nb, B-1] -> (weighted loss, per-position accuracy
     [B-1]). The loss is CE against the labels, plus soft_weight x KL(target || draft) with the
-    target's distributions from target_final [S, nb, B-1, H] (soft_targets), where labelled."""
-    h = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])
-    logits = _logits(h, head)
+    target's distributions from target_final [S, nb, B-1, H] (soft_targets), where labelled.
+
+    Only labelled rows go through the LM head: with greedy-chain labels, most draft positions
+    of sampled answers are off the chain (label -100, loss weight 0), and the [rows, V] logits
+    are the step's largest tensors."""
+    width = labels.shape[-1]
     flat = labels.reshape(-1)
-    labelled = flat >= 0
-    ce = F.cross_entropy(logits, flat.clamp(min=0), reduction="none")
+    rows = (flat >= 0).nonzero().squeeze(1)             # [N] labelled rows
+    h = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])[rows]
+    logits = _logits(h, head)                           # [N, V]
+    y = flat[rows]
+    loss_rows = F.cross_entropy(logits, y, reduction="none")
     if target_final is not None and soft_weight > 0:
-        rows = labelled.nonzero().squeeze(1)          # labelled only: off-chain rows are many
         with torch.no_grad():
-            t_logp = F.log_softmax(_logits(target_final.reshape(h.shape)[rows], head), dim=-1)
-        kl = (t_logp.exp() * (t_logp - F.log_softmax(logits[rows], dim=-1))).sum(-1)
-        ce = ce.index_add(0, rows, soft_weight * kl)
-    valid = labelled.float()
-    w = weights.repeat(labels.shape[0] * labels.shape[1]) * valid
-    loss = (ce * w).sum() / w.sum().clamp(min=1.0)
-    correct = ((logits.argmax(-1) == flat).float() * valid).view(-1, labels.shape[-1])
-    acc = correct.sum(0) / valid.view(-1, labels.shape[-1]).sum(0).clamp(min=1.0)
+            t_logp = F.log_softmax(
+                _logits(target_final.reshape(-1, target_final.shape[-1])[rows], head), dim=-1)
+        kl = (t_logp.exp() * (t_logp - F.log_softmax(logits, dim=-1))).sum(-1)
+        loss_rows = loss_rows + soft_weight * kl
+    k = rows % width                                    # each row's draft position - 1
+    w = weights[k]
+    loss = (loss_rows * w).sum() / w.sum().clamp(min=1.0)
+    correct = (logits.argmax(-1) == y).float()
+    seen = torch.zeros(width, device=flat.device).index_add_(0, k, torch.ones_like(correct))
+    acc = torch.zeros(width, device=flat.device).index_add_(0, k, correct) / seen.clamp(min=1.0)
     return loss, acc

@@ -166,15 +166,16 @@ def generate_in_parallel(args, prompts: list, greedy: list[Example], work: Path)
     process (the CPU default) this does nothing: `run` generates them in turn."""
     names = missing_sets(args, work)
     cap = args.generation_processes or (8 if args.device.startswith("cuda") else 1)
-    if min(cap, len(names)) <= 1:
+    processes = min(cap, len(names))
+    if processes <= 1:
         return
     if args.device.startswith("cuda"):
         import torch
         torch.cuda.empty_cache()         # the greedy set's KV cache, before 8 others take theirs
-    log.info("generating %d answer sets, %d processes at a time: %s", len(names),
-             min(cap, len(names)), " ".join(names))
+    log.info("generating %d answer sets, %d processes at a time: %s", len(names), processes,
+             " ".join(names))
     t0 = time.monotonic()
-    with ProcessPoolExecutor(min(cap, len(names)), mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(processes, mp_context=get_context("spawn")) as pool:
         for job in [pool.submit(_set_job, args, n, prompts, greedy, work) for n in names]:
             job.result()
     log.info("generated %d answer sets in %.0f s", len(names), time.monotonic() - t0)
@@ -186,8 +187,11 @@ def _set_job(args, name: str, prompts: list, greedy: list[Example], work: Path) 
     one_set(args, name, prompts, greedy, work)
 
 
-def only_set_error(args) -> str:
-    """What is wrong with --only-set, or ''."""
+def argument_error(args) -> str:
+    """What is wrong with --generation-processes or --only-set, or ''."""
+    if args.generation_processes < 0:
+        return (f"--generation-processes {args.generation_processes}: give a count of processes "
+                "(1 = one set after another) or 0 for the device's default")
     name = args.only_set
     if not name or name == "follow-ups":
         return ""
@@ -244,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
                       stop_after_seconds=args.stop_after, cache_features=args.cache_features,
                       init_from=args.init_from, soft_label_weight=args.soft_labels,
                       feature_backend=attention_backend(args))
-    if err := only_set_error(args):
+    if err := argument_error(args):
         print(f"train-draft: {err}", file=sys.stderr)
         return 2
     try:
