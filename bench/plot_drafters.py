@@ -14,7 +14,9 @@ RUNS = [  # label, training.json
     ("fifth (gamma 3, 24k steps)", "bench/results/training/smollm2_drafter5_training.json"),
     ("sixth (+ second turns, 20k steps)",
      "bench/results/training/smollm2_drafter6_training.json"),
-    ("seventh (shipped, + soft labels, 16k steps)",
+    ("seventh (+ soft labels, 16k steps)",
+     "bench/results/training/smollm2_drafter7_training.json"),
+    ("eighth (shipped, seventh's recipe, 24k steps)",
      "models/smollm2-135m-instruct-dflash/training.json"),
 ]
 CONTINUED_FROM = "third"

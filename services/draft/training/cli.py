@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "spread over [1, layers-3], DFlash's rule)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mask-token-id", type=int, required=True)
-    p.add_argument("--steps", type=int, default=16000)
+    p.add_argument("--steps", type=int, default=24000)
     p.add_argument("--batch-sequences", type=int, default=32)
     p.add_argument("--blocks-per-sequence", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
