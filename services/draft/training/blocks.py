@@ -136,7 +136,7 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, head: TargetHead,
     are the step's largest tensors."""
     width = labels.shape[-1]
     flat = labels.reshape(-1)
-    rows = (flat >= 0).nonzero().squeeze(1)             # [N] labelled rows
+    rows = (flat >= 0).nonzero().squeeze(1)             # [N] labelled rows (one host sync a step)
     h = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])[rows]
     logits = _logits(h, head)                           # [N, V]
     y = flat[rows]
