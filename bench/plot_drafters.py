@@ -19,6 +19,8 @@ RUNS = [  # label, training.json
     ("eighth (shipped, seventh's recipe, 24k steps)",
      "models/smollm2-135m-instruct-dflash/training.json"),
 ]
+PARTIAL = ("ninth try: eighth + 10 000 self-written prompts (stopped at 23k of 24k steps)",
+           "bench/results/training/smollm2_self_prompts_partial.json")   # curve only: not exported
 CONTINUED_FROM = "third"
 CONTINUED = "bench/results/training/smollm2_continued_training.json"
 
@@ -37,10 +39,14 @@ def main(out: str = "docs/img/drafter_training.png") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     runs = [(label, json.loads(Path(p).read_text())) for label, p in RUNS]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     for label, summary in runs:
         x, y = curve(summary)
         left.plot(x, y, marker="o", ms=3, label=f"{label}: {summary['num_train_examples']} answers")
+    label, partial = PARTIAL[0], json.loads(Path(PARTIAL[1]).read_text())
+    x, y = curve(partial)
+    left.plot(x, y, marker="o", ms=3, ls="--",
+              label=f"{label}: {partial['num_train_examples']} answers")
     base = dict(runs)[CONTINUED_FROM]
     done = base["config"]["steps"] * base["config"]["batch_sequences"] * \
         base["config"]["blocks_per_sequence"] / 1e6
@@ -51,7 +57,7 @@ def main(out: str = "docs/img/drafter_training.png") -> None:
     left.text(0, 3.42, "goal in distribution (3.5)", color="grey", fontsize=8)
     left.set(xlabel="training blocks seen (millions)", ylabel="held-out tau (64 eval_in, simulated)",
              title="Acceptance length during training", ylim=(1, 3.7))
-    left.legend(fontsize=8, loc="lower right")
+    left.legend(fontsize=6.5, loc="lower right")
     names = [label.split(" (")[0] for label, _ in runs] + ["third +\ncontinued"]
     summaries = [s for _, s in runs] + [cont]
     for i, split in enumerate(("eval_in", "eval_unseen")):

@@ -12,7 +12,7 @@ import shlex
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from dataclasses import asdict, replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -62,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--follow-ups", type=int, default=2, metavar="N",
                    help="N answer sets to a second turn (a follow-up request after the target's "
                         "greedy first answer): the first greedy, the rest sampled (0 = none)")
+    p.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="N more training prompts the target writes itself (Magpie: sampled "
+                        "from its chat template's open user turn, filtered, no near-duplicate of "
+                        "a held-out prompt), each answered greedily (0 = none)")
+    p.add_argument("--self-prompt-temperature", type=float, default=0.8)
+    p.add_argument("--self-prompt-tokens", type=int, default=96,
+                   help="longest self-written request; longer ones are dropped")
     p.add_argument("--soft-labels", type=float, default=1.0, metavar="W",
                    help="add W x KL(target || draft) over the whole vocabulary at each labelled "
                         "position to the cross-entropy (0 = cross-entropy only; the shipped "
@@ -140,6 +147,38 @@ def follow_up_answers(args, prompts: list, first: list[Example], work: Path) -> 
     return out
 
 
+def self_prompt_answers(args, work: Path, held_out: list[str]) -> list[Example]:
+    """--self-prompts: the requests the target writes (self_prompts.py), cached in
+    WORK/self_prompts_n{N}_t{T}.jsonl, and its greedy answers to them (set train-self{N})."""
+    if args.self_prompts <= 0:
+        return []
+    from services.draft.training.prompts import PromptRecord
+    path = work / f"self_prompts_n{args.self_prompts}_t{args.self_prompt_temperature}.jsonl"
+    if path.is_file():
+        records = [PromptRecord(**json.loads(line)) for line in path.read_text().splitlines()]
+    else:
+        records = _write_self_prompts(args, held_out)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
+        tmp.replace(path)
+    return answers(args, f"train-self{args.self_prompts}", 0.0, records, work)
+
+
+def _write_self_prompts(args, held_out: list[str]) -> list:
+    import torch
+
+    from runtime.tokenizer import ChatTokenizer
+    from services.draft.training.self_prompts import user_turn_prefix, write_prompts
+    from services.draft.training.target_runner import TargetRunner
+    tok = ChatTokenizer(args.target)
+    tokens = TargetRunner.tokens_for(args.concurrency,
+                                     len(user_turn_prefix(tok)) + args.self_prompt_tokens)
+    runner = TargetRunner(args.target, tokens, getattr(torch, args.dtype), args.device,
+                          attention_backend(args))
+    return write_prompts(runner, tok, args.self_prompts, args.self_prompt_temperature,
+                         args.self_prompt_tokens, args.seed, args.concurrency, held_out)
+
+
 def one_set(args, name: str, prompts: list, greedy: list[Example], work: Path) -> None:
     """--only-set NAME: the follow-up sets, or sampled set NAME (an index), as `run` would."""
     if name == "follow-ups":
@@ -189,6 +228,9 @@ def _set_job(args, name: str, prompts: list, greedy: list[Example], work: Path) 
 
 def argument_error(args) -> str:
     """What is wrong with --generation-processes or --only-set, or ''."""
+    if args.self_prompts < 0 or args.self_prompt_tokens < 1:
+        return (f"--self-prompts {args.self_prompts} --self-prompt-tokens "
+                f"{args.self_prompt_tokens}: give a count >= 0 and a length >= 1")
     if args.generation_processes < 0:
         return (f"--generation-processes {args.generation_processes}: give a count of processes "
                 "(1 = one set after another) or 0 for the device's default")
@@ -214,7 +256,8 @@ def _generate(args, prompts: list, temperature: float, seed: int,
         tok = ChatTokenizer(args.target)
         ids = [chat_prompt_ids(tok, p.text) for p in prompts]
     longest = max(len(i) for i in ids)
-    runner = TargetRunner(args.target, args.concurrency * (longest + args.max_new_tokens),
+    runner = TargetRunner(args.target,
+                          TargetRunner.tokens_for(args.concurrency, longest + args.max_new_tokens),
                           getattr(torch, args.dtype), args.device, backend)
     t0 = time.monotonic()
     out = generate(runner, prompts, ids, temperature, args.max_new_tokens, seed,
@@ -276,6 +319,8 @@ def run(args: argparse.Namespace) -> int:
     if args.sampled_temperature > 0:
         for k in range(args.samples_per_prompt):
             examples += answers(args, "train", args.sampled_temperature, train_prompts, work, k)
+    examples += self_prompt_answers(args, work, [p.text for s in ("eval_in", "eval_unseen")
+                                                 for p in load_prompts(s, folder)])
     if args.generate_only:
         return 0
     result = train(cfg, examples, held["eval_in"])

@@ -62,8 +62,9 @@ def write_card(draft_dir: Path, summary: dict) -> None:
         f"- layers: {cfg['num_layers']}, block size: {cfg['block_size']}, tapped target layers: "
         f"{summary['target_layer_ids']}, mask token id: {cfg['mask_token_id']}",
         f"- data: {summary['num_train_examples']} answers of the target itself to "
-        f"{summary.get('num_train_prompts', '?')} training prompts of `data/prompts/train.jsonl` "
-        f"({_second_turns(summary)}answers per temperature: "
+        f"{summary['num_train_prompts'] - summary.get('num_self_written', 0)} training prompts "
+        f"of `data/prompts/train.jsonl`"
+        f"{_self_written(summary)} ({_second_turns(summary)}answers per temperature: "
         f"{summary.get('answers_by_temperature', {})})",
         f"- labels: {'the target greedy chain from each anchor' if cfg.get('greedy_labels', True) else 'the answer tokens'}",
         f"- recipe: random anchors in the answer{_window(cfg)}, block [anchor, MASK x "
@@ -95,6 +96,12 @@ def _second_turns(summary: dict) -> str:
     n = summary.get("num_second_turns", 0)
     return (f"{n} of them to a second turn, a follow-up request after the target's own greedy "
             "answer; ") if n else ""
+
+
+def _self_written(summary: dict) -> str:
+    n = summary.get("num_self_written", 0)
+    return (f" and {n} requests the target wrote itself (`--self-prompts`, greedy answers)"
+            if n else "")
 
 
 def _soft(cfg: dict) -> str:

@@ -27,6 +27,11 @@ class TargetRunner:
         self.backend = backend_class(backend)(self.cache, cfg.num_heads, cfg.num_kv_heads,
                                               cfg.head_dim, cfg.head_dim ** -0.5)
 
+    @staticmethod
+    def tokens_for(sequences: int, length: int, page_size: int = 16) -> int:
+        """max_tokens that holds `sequences` sequences of `length` tokens each (whole pages)."""
+        return sequences * -(-length // page_size) * page_size
+
     def forward(self, slices: list[SeqSlice], ids: torch.Tensor, layers: tuple[int, ...] = ()
                 ) -> ForwardOutput:
         """ids int64 [T]: each slice's q_len new tokens in order; positions follow the slices."""

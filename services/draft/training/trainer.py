@@ -43,6 +43,7 @@ from services.draft.training.checkpoint import TrainState, load_checkpoint, save
 from services.draft.training.features import FeatureCache, FeatureExtractor
 from services.draft.training.follow_ups import first_prompt_id, is_second_turn
 from services.draft.training.generate import Example
+from services.draft.training.self_prompts import CATEGORY as SELF_WRITTEN
 
 log = logging.getLogger("dflash.train")
 
@@ -314,6 +315,7 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
                "num_train_prompts": len({first_prompt_id(e.prompt_id)
                                          for e in batcher.examples}),
                "num_second_turns": sum(is_second_turn(e.prompt_id) for e in batcher.examples),
+               "num_self_written": sum(e.category == SELF_WRITTEN for e in batcher.examples),
                "answers_by_temperature": dict(Counter(str(e.temperature)
                                                       for e in batcher.examples))}
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
