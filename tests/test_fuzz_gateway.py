@@ -28,6 +28,7 @@ from support.fuzz import (
     dumps,
     field_mutation,
     fuzz_settings,
+    internal_errors,
     message,
 )
 from support.procs import health_status
@@ -66,8 +67,8 @@ def assert_healthy(stack) -> None:
     gw = stack.gateway
     assert gw.proc.poll() is None and health_status(gw.address, "dflash.v1.Gateway") == 1
     for p in (stack.target, stack.draft):
-        assert "internal error" not in p.log()
-    assert "internal error" not in gw.log(), gw.log()[-3000:]
+        assert not internal_errors(p.log()), p.log()[-3000:]
+    assert not internal_errors(gw.log()), gw.log()[-3000:]
 
 
 # -- gRPC ------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from support.fuzz import (
     call_raw,
     field_mutation,
     fuzz_settings,
+    internal_errors,
     message,
 )
 from support.procs import health_status, start_target
@@ -104,7 +105,7 @@ def strategy(kind: str, cls, valid) -> st.SearchStrategy:
 def assert_serving(p, service: str) -> None:
     assert p.proc.poll() is None, f"{service} died:\n{p.log()[-3000:]}"
     assert health_status(p.address, service) == SERVING
-    assert "internal error" not in p.log(), p.log()[-3000:]
+    assert not internal_errors(p.log()), p.log()[-3000:]
 
 
 # -- target --------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Every strategy is bounded (sizes, depth) so that one example is one quick RPC.""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,16 @@ F = FieldDescriptor
 def fuzz_settings(examples: int) -> settings:
     return settings(max_examples=examples, derandomize=True, deadline=None, database=None,
                     suppress_health_check=list(HealthCheck), print_blob=True)
+
+
+_INTERNAL_ERROR = re.compile(r"^\S+ ERROR \S+ internal error", re.MULTILINE)
+
+
+def internal_errors(log: str) -> list[str]:
+    """The internal-error records in a service's log (an ERROR line the error mappers write).
+    Fuzzed text a log line echoes cannot match: values are quoted on one line (logs.py), and the
+    fuzzer does draw the literal "internal error" (hypothesis uses the source's constants)."""
+    return _INTERNAL_ERROR.findall(log)
 
 
 # -- protobuf ---------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ def _set_job(args, name: str, prompts: list, greedy: list[Example], work: Path) 
 
 
 def argument_error(args) -> str:
-    """What is wrong with --generation-processes or --only-set, or ''."""
+    """What is wrong with --self-prompts, --generation-processes or --only-set, or ''."""
     if args.self_prompts < 0 or args.self_prompt_tokens < 1:
         return (f"--self-prompts {args.self_prompts} --self-prompt-tokens "
                 f"{args.self_prompt_tokens}: give a count >= 0 and a length >= 1")
