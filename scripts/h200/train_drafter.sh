@@ -18,7 +18,7 @@ DEVICE=${DEVICE:-cuda}
 W=out/work
 mkdir -p "$W" "$OUT"
 for f in data/train-answers/self_prompts_*.jsonl.gz; do    # --self-prompts N: the requests kept
-  [ -f "$W/$(basename "$f" .gz)" ] || gunzip -c "$f" > "$W/$(basename "$f" .gz)"
+  [ -f "$f" ] && [ ! -f "$W/$(basename "$f" .gz)" ] && gunzip -c "$f" > "$W/$(basename "$f" .gz)"
 done
 # gen/train run the target eagerly (no CUDA graphs), where torch ops launch faster than the fused
 # Triton kernels; the served stacks of `eval` keep the fused kernels (they replay graphs).

@@ -12,7 +12,7 @@ import shlex
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -152,14 +152,14 @@ def self_prompt_answers(args, work: Path, held_out: list[str]) -> list[Example]:
     WORK/self_prompts_n{N}_t{T}.jsonl, and its greedy answers to them (set train-self{N})."""
     if args.self_prompts <= 0:
         return []
-    from services.draft.training.prompts import PromptRecord
+    from services.draft.training.prompts import read_records, records_jsonl
     path = work / f"self_prompts_n{args.self_prompts}_t{args.self_prompt_temperature}.jsonl"
     if path.is_file():
-        records = [PromptRecord(**json.loads(line)) for line in path.read_text().splitlines()]
+        records = read_records(path)
     else:
         records = _write_self_prompts(args, held_out)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
+        tmp.write_text(records_jsonl(records), encoding="utf-8")
         tmp.replace(path)
     return answers(args, f"train-self{args.self_prompts}", 0.0, records, work)
 
@@ -304,10 +304,11 @@ def run(args: argparse.Namespace) -> int:
     train_prompts = load_prompts("train", folder)
     if args.limit_prompts:
         train_prompts = random.Random(args.seed).sample(train_prompts, args.limit_prompts)
-    eval_sets = {s: load_prompts(s, folder) for s in ("eval_in", "eval_unseen")}
+    whole_eval = {s: load_prompts(s, folder) for s in ("eval_in", "eval_unseen")}
+    eval_sets = whole_eval
     if args.limit_eval:
         eval_sets = {s: random.Random(args.seed).sample(p, min(args.limit_eval, len(p)))
-                     for s, p in eval_sets.items()}
+                     for s, p in whole_eval.items()}
     # evaluations take the first --eval-sequences of each split: shuffled, a sample of each
     held = {s: shuffled(answers(args, s, 0.0, p, work), args.seed) for s, p in eval_sets.items()}
     greedy = answers(args, "train", 0.0, train_prompts, work)
@@ -319,8 +320,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sampled_temperature > 0:
         for k in range(args.samples_per_prompt):
             examples += answers(args, "train", args.sampled_temperature, train_prompts, work, k)
-    examples += self_prompt_answers(args, work, [p.text for s in ("eval_in", "eval_unseen")
-                                                 for p in load_prompts(s, folder)])
+    examples += self_prompt_answers(args, work, [p.text for s in whole_eval.values() for p in s])
     if args.generate_only:
         return 0
     result = train(cfg, examples, held["eval_in"])

@@ -380,7 +380,7 @@ def write(out_dir: Path, prompt_set: dict[str, list[PromptRecord]], seed: int, t
         "command": f"dflash build-prompts --seed {seed} --total {total}",
         "seed": seed, "total": total, "splits": {}, "files": {}}
     for split, records in prompt_set.items():
-        data = "".join(json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in records).encode()
+        data = records_jsonl(records).encode()
         (out_dir / f"{split}.jsonl").write_bytes(data)
         counts = Counter(r.category for r in records)
         manifest["splits"][split] = {"count": len(records), "categories": dict(counts)}
@@ -397,8 +397,17 @@ def load_prompts(split: str, root: Path | None = None) -> list[PromptRecord]:
     path = (root or DEFAULT_OUT) / f"{split}.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; build it with `dflash build-prompts`")
+    return read_records(path)
+
+
+def read_records(path: Path) -> list[PromptRecord]:
     with path.open(encoding="utf-8") as f:
         return [PromptRecord(**json.loads(line)) for line in f if line.strip()]
+
+
+def records_jsonl(records: list[PromptRecord]) -> str:
+    """One JSON object a line, in order (the split files' format)."""
+    return "".join(json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in records)
 
 
 # ---- `dflash build-prompts` -------------------------------------------------------------------

@@ -12,12 +12,14 @@ from runtime.kv_cache import PagedKVCache, PageTable
 from runtime.models.forward import ForwardBatch, ForwardOutput
 from runtime.models.registry import load_model
 
+PAGE_SIZE = 16          # tokens per KV page
+
 
 class TargetRunner:
     """A target model with a KV cache of `max_tokens` tokens (all sequences of one batch)."""
 
     def __init__(self, target_dir: str, max_tokens: int, dtype: torch.dtype, device: str,
-                 backend: str = "torch", page_size: int = 16) -> None:
+                 backend: str = "torch", page_size: int = PAGE_SIZE) -> None:
         self.model = load_model(target_dir, dtype, device)
         cfg = self.model.cfg
         self.device = torch.device(device)
@@ -28,7 +30,7 @@ class TargetRunner:
                                               cfg.head_dim, cfg.head_dim ** -0.5)
 
     @staticmethod
-    def tokens_for(sequences: int, length: int, page_size: int = 16) -> int:
+    def tokens_for(sequences: int, length: int, page_size: int = PAGE_SIZE) -> int:
         """max_tokens that holds `sequences` sequences of `length` tokens each (whole pages)."""
         return sequences * -(-length // page_size) * page_size
 
