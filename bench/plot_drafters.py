@@ -16,11 +16,15 @@ RUNS = [  # label, training.json
      "bench/results/training/smollm2_drafter6_training.json"),
     ("seventh (+ soft labels, 16k steps)",
      "bench/results/training/smollm2_drafter7_training.json"),
-    ("eighth (shipped, seventh's recipe, 24k steps)",
+    ("eighth (seventh's recipe, 24k steps)",
+     "bench/results/training/smollm2_drafter8_training.json"),
+    ("ninth (shipped, + 10 000 self-written prompts, 18k steps)",
      "models/smollm2-135m-instruct-dflash/training.json"),
 ]
-PARTIAL = ("ninth try: eighth + 10 000 self-written prompts (stopped at 23k of 24k steps)",
-           "bench/results/training/smollm2_self_prompts_partial.json")   # curve only: not exported
+NOT_SHIPPED = [  # label, training.json: dashed curves of runs never exported
+    ("eighth + 10 000 self-written prompts, 24k steps (stopped at 23k)",
+     "bench/results/training/smollm2_self_prompts_partial.json"),
+]
 CONTINUED_FROM = "third"
 CONTINUED = "bench/results/training/smollm2_continued_training.json"
 
@@ -43,10 +47,11 @@ def main(out: str = "docs/img/drafter_training.png") -> None:
     for label, summary in runs:
         x, y = curve(summary)
         left.plot(x, y, marker="o", ms=3, label=f"{label}: {summary['num_train_examples']} answers")
-    label, partial = PARTIAL[0], json.loads(Path(PARTIAL[1]).read_text())
-    x, y = curve(partial)
-    left.plot(x, y, marker="o", ms=3, ls="--",
-              label=f"{label}: {partial['num_train_examples']} answers")
+    for label, path in NOT_SHIPPED:
+        summary = json.loads(Path(path).read_text())
+        x, y = curve(summary)
+        left.plot(x, y, marker="o", ms=3, ls="--",
+                  label=f"{label}: {summary['num_train_examples']} answers")
     base = dict(runs)[CONTINUED_FROM]
     done = base["config"]["steps"] * base["config"]["batch_sequences"] * \
         base["config"]["blocks_per_sequence"] / 1e6
@@ -58,13 +63,13 @@ def main(out: str = "docs/img/drafter_training.png") -> None:
     left.set(xlabel="training blocks seen (millions)", ylabel="held-out tau (64 eval_in, simulated)",
              title="Acceptance length during training", ylim=(1, 3.7))
     left.legend(fontsize=6.5, loc="lower right")
-    names = [label.split(" (")[0] for label, _ in runs] + ["third +\ncontinued"]
+    names = [label.split(" (")[0] for label, _ in runs] + ["third\n+ cont."]
     summaries = [s for _, s in runs] + [cont]
     for i, split in enumerate(("eval_in", "eval_unseen")):
         taus = [s["eval"][split]["tau"] for s in summaries]
         bars = right.bar([k + 0.38 * i for k in range(len(names))], taus, width=0.38, label=split)
         right.bar_label(bars, fmt="%.2f", fontsize=7)
-    right.set_xticks([k + 0.19 for k in range(len(names))], names, fontsize=8)
+    right.set_xticks([k + 0.19 for k in range(len(names))], names, fontsize=7)
     right.set(ylabel="tau (128 prompts, <= 384 tokens, simulated)", ylim=(0, 3.7),
               title="Final simulated tau per held-out split")
     right.axhline(3.5, color="grey", ls="--", lw=1)

@@ -7,6 +7,7 @@
 #   bash scripts/h200/train_drafter.sh eval                           e2e bench (eval-draft: EVAL=1)
 #   bash scripts/h200/train_drafter.sh bg STEPS [SAMPLES] [EXTRA...]  `train` in the background
 #   bash scripts/h200/train_drafter.sh watch [SECONDS]  follow it; when done, its results to $OUT
+#                                       (and the first 96 tokens' simulated tau, unless SIMULATE=0)
 # bg: the run outlives the call (setsid) while calls follow each other within the machine's
 # warm time; it keeps its feature cache, which a resumed --stop-after run has to rebuild.
 # train: STOP=SECONDS pauses the run after that long (checkpoint in out/work); the same command
@@ -54,7 +55,7 @@ watch)
   tr '\r' '\n' < out/train_raw.log | grep -E "^\[#*\.*\]" | tail -1
   if ! pgrep -f "train_drafter.sh train" > /dev/null; then
     cat out/bg.log; cp -r out/result/. "$OUT/"; echo "finished: results in \$OUT"
-    [ -f out/drafter/model.safetensors ] && timeout 240 python3 -m bench.simulated_tau \
+    [ -f out/drafter/model.safetensors ] && [ "${SIMULATE:-1}" = 1 ] && timeout 240 python3 -m bench.simulated_tau \
       --work "$W" --device "$DEVICE" --draft-model out/drafter --per-split 128 \
       --max-new-tokens 96 --out "$OUT/drafter_simulated_96.json" 2>&1 | tail -3
   fi ;;
