@@ -24,6 +24,7 @@ from services.draft.training.generate import (
     load_examples,
     save_examples,
     shuffled,
+    write_whole,
 )
 
 log = logging.getLogger("dflash.train")
@@ -158,9 +159,7 @@ def self_prompt_answers(args, work: Path, held_out: list[str]) -> list[Example]:
         records = read_records(path)
     else:
         records = _write_self_prompts(args, held_out)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(records_jsonl(records), encoding="utf-8")
-        tmp.replace(path)
+        write_whole(path, records_jsonl(records))
     return answers(args, f"train-self{args.self_prompts}", 0.0, records, work)
 
 

@@ -108,11 +108,13 @@ def generate(runner: TargetRunner, prompts: list, ids: list[list[int]], temperat
 
 
 def save_examples(examples: list[Example], path: Path) -> None:
-    """Written whole or not at all (runs sharing a --work folder may write the same set)."""
+    write_whole(path, "".join(json.dumps(asdict(e)) + "\n" for e in examples))
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Written whole or not at all (runs sharing a --work folder may write the same file)."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        for e in examples:
-            f.write(json.dumps(asdict(e)) + "\n")
+    tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
 
 
