@@ -21,9 +21,11 @@ RUNS = [  # label, training.json
     ("ninth (shipped, + 10 000 self-written prompts, 18k steps)",
      "models/smollm2-135m-instruct-dflash/training.json"),
 ]
-NOT_SHIPPED = [  # label, training.json: dashed curves of runs never exported
+NOT_SHIPPED = [  # label, training.json, colour: dashed curves of runs not shipped
     ("eighth + 10 000 self-written prompts, 24k steps (stopped at 23k)",
-     "bench/results/training/smollm2_self_prompts_partial.json"),
+     "bench/results/training/smollm2_self_prompts_partial.json", "tab:cyan"),
+    ("tenth: the ninth's recipe, 21k steps (level with the ninth, not shipped)",
+     "bench/results/training/smollm2_drafter10_training.json", "black"),
 ]
 CONTINUED_FROM = "third"
 CONTINUED = "bench/results/training/smollm2_continued_training.json"
@@ -47,10 +49,10 @@ def main(out: str = "docs/img/drafter_training.png") -> None:
     for label, summary in runs:
         x, y = curve(summary)
         left.plot(x, y, marker="o", ms=3, label=f"{label}: {summary['num_train_examples']} answers")
-    for label, path in NOT_SHIPPED:
+    for label, path, colour in NOT_SHIPPED:
         summary = json.loads(Path(path).read_text())
         x, y = curve(summary)
-        left.plot(x, y, marker="o", ms=3, ls="--",
+        left.plot(x, y, marker="o", ms=3, ls="--", color=colour,
                   label=f"{label}: {summary['num_train_examples']} answers")
     base = dict(runs)[CONTINUED_FROM]
     done = base["config"]["steps"] * base["config"]["batch_sequences"] * \
