@@ -13,8 +13,9 @@
    Two configurations: the shipped trained DFlash drafter (block 16, features on the wire) and
    none (autoregressive: Verify of one token).
 2. End to end: `dflash up` (the launcher's Stack, default drafter) against transformers'
-   `generate` on the same prompts, one request at a time, greedy, prefill included; the stack's
-   output is checked token-identical to transformers' greedy.
+   `generate` on the same prompts, one request at a time, greedy, prefill included; every
+   system up at once and the prompts interleaved over them, --e2e-rounds times (median per
+   prompt); the stack's output is checked token-identical to transformers' greedy.
 
 Results: bench/results/gateway_cpu.json and the "Gateway / end to end (CPU)" section of
 docs/benchmarks.md. On a shared machine pass --shared: the numbers are then upper bounds."""
@@ -22,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -168,32 +171,47 @@ def overhead(drafter: str, prompts: list[list[int]], max_tokens: int, min_reques
 
 
 # -- part 2: end to end ----------------------------------------------------------------------
-def stack_run(drafter: str, prompts: list[list[int]], max_tokens: int, log_dir: Path,
-              **options) -> dict:
-    """One request at a time through the OpenAI HTTP API (streamed), as `dflash up` serves."""
-    from openai import OpenAI
-    with Services(drafter, log_dir / f"e2e-{drafter}", **options) as svc:
-        client = OpenAI(base_url=f"{svc.stack.http_url}/v1", api_key="x", max_retries=0,
-                        timeout=1800)
-        model = client.models.list().data[0].id
-        client.completions.create(model=model, prompt=prompts[0][:8], max_tokens=4)   # warm-up
-        runs = []
-        for ids in prompts:
-            t0 = time.perf_counter()
-            ttft, usage = None, None
-            for chunk in client.completions.create(model=model, prompt=ids, max_tokens=max_tokens,
-                                                   temperature=0, stream=True,
-                                                   stream_options={"include_usage": True}):
-                if ttft is None and chunk.choices:
-                    ttft = time.perf_counter() - t0
-                if chunk.usage is not None:
-                    usage = chunk.usage
-            spec = usage.model_extra["spec_decode"]
-            runs.append({"tokens": usage.completion_tokens, "seconds": time.perf_counter() - t0,
-                         "ttft_s": ttft, "mean_acceptance_length": spec["mean_acceptance_length"],
-                         "verify_steps": spec["verify_steps"]})
-        ids_out = [_grpc_ids(f"127.0.0.1:{svc.opts.port}", ids, max_tokens) for ids in prompts]
-    return {"runs": runs, "output_ids": ids_out}
+class StackClient:
+    """A `dflash up` stack (the launcher's Stack) serving one request at a time through its
+    OpenAI HTTP API, streamed, as users call it."""
+
+    def __init__(self, drafter: str, log_dir: Path, **options) -> None:
+        self.services = Services(drafter, log_dir / f"e2e-{drafter}", **options)
+
+    def __enter__(self) -> StackClient:  # noqa: PYI034
+        from openai import OpenAI
+        self.services.__enter__()
+        self.client = OpenAI(base_url=f"{self.services.stack.http_url}/v1", api_key="x",
+                             max_retries=0, timeout=1800)
+        self.model = self.client.models.list().data[0].id
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.services.__exit__(*exc)
+
+    def warm(self, prompts: list[list[int]]) -> None:
+        self.client.completions.create(model=self.model, prompt=prompts[0][:8], max_tokens=4)
+
+    def run(self, ids: list[int], max_tokens: int) -> dict:
+        """One greedy request, timed from sending to its last chunk (prefill included)."""
+        t0 = time.perf_counter()
+        ttft, usage = None, None
+        for chunk in self.client.completions.create(
+                model=self.model, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}):
+            if ttft is None and chunk.choices:
+                ttft = time.perf_counter() - t0
+            if chunk.usage is not None:
+                usage = chunk.usage
+        spec = usage.model_extra["spec_decode"]
+        return {"tokens": usage.completion_tokens, "seconds": time.perf_counter() - t0,
+                "ttft_s": ttft, "mean_acceptance_length": spec["mean_acceptance_length"],
+                "verify_steps": spec["verify_steps"]}
+
+    def output_ids(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """The greedy outputs as token ids (through the gRPC API, which returns ids)."""
+        return [_grpc_ids(f"127.0.0.1:{self.services.opts.port}", ids, max_tokens)
+                for ids in prompts]
 
 
 def grpc_generate(address: str, ids: list[int], max_tokens: int
@@ -215,32 +233,60 @@ def _grpc_ids(address: str, ids: list[int], max_tokens: int) -> list[int]:
     return grpc_generate(address, ids, max_tokens)[0]
 
 
+class TransformersGenerate:
+    """transformers' greedy `generate` in this process (cache: "" dynamic, "static";
+    lookup: prompt lookup's n-gram tokens, 0 for none)."""
+
+    def __init__(self, model_dir: Path, lookup: int = 0, device: str = "cpu",
+                 dtype: str = "float32", cache: str = "") -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+        self.torch, self.device = torch, device
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
+        self.extra: dict = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+        if cache:
+            self.extra["cache_implementation"] = cache
+        self.outputs: dict[tuple[int, ...], list[int]] = {}   # prompt -> its first output
+
+    def __enter__(self) -> TransformersGenerate:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def _generate(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        with self.torch.no_grad():
+            return self.model.generate(self.torch.tensor([ids], device=self.device),
+                                       max_new_tokens=max_new_tokens, do_sample=False,
+                                       **self.extra)[0, len(ids):].tolist()
+
+    def warm(self, prompts: list[list[int]]) -> None:
+        for ids in prompts[:2]:
+            self._generate(ids, 8)
+
+    def run(self, ids: list[int], max_tokens: int) -> dict:
+        sync = self.torch.cuda.synchronize if self.device.startswith("cuda") else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        out = self._generate(ids, max_tokens)
+        sync()
+        seconds = time.perf_counter() - t0
+        self.outputs.setdefault(tuple(ids), out)
+        return {"tokens": len(out), "seconds": seconds}
+
+    def output_ids(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return [self.outputs.get(tuple(ids)) or self._generate(ids, max_tokens) for ids in prompts]
+
+
 def transformers_run(model_dir: Path, prompts: list[list[int]], max_tokens: int,
                      lookup: int = 0, device: str = "cpu", dtype: str = "float32",
                      cache: str = "") -> dict:
-    """transformers' greedy `generate`, one prompt at a time (cache: "" dynamic, "static")."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)
-                                                 ).to(device).eval()
-    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-    if cache:
-        extra["cache_implementation"] = cache
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    runs, outputs = [], []
-    with torch.no_grad():
-        for warm in prompts[:2]:
-            model.generate(torch.tensor([warm], device=device), max_new_tokens=8,
-                           do_sample=False, **extra)
-        for ids in prompts:
-            sync()
-            t0 = time.perf_counter()
-            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_tokens,
-                                 do_sample=False, **extra)[0, len(ids):].tolist()
-            sync()
-            runs.append({"tokens": len(out), "seconds": time.perf_counter() - t0})
-            outputs.append(out)
-    return {"runs": runs, "output_ids": outputs}
+    """transformers' greedy `generate`, one prompt at a time, after a warm-up."""
+    system = TransformersGenerate(model_dir, lookup, device, dtype, cache)
+    system.warm(prompts)
+    runs = [system.run(ids, max_tokens) for ids in prompts]
+    return {"runs": runs, "output_ids": system.output_ids(prompts, max_tokens)}
 
 
 def aggregate(runs: list[dict], kinds: list[str]) -> dict:
@@ -251,26 +297,51 @@ def aggregate(runs: list[dict], kinds: list[str]) -> dict:
     return out
 
 
-def end_to_end(model_dir: Path, drafters: list[str], max_tokens: int, log_dir: Path) -> dict:
+def end_to_end(model_dir: Path, drafters: list[str], max_tokens: int, log_dir: Path,
+               rounds: int = 3) -> dict:
+    """Every system up at once; each prompt runs on every system in turn (the order rotated
+    from prompt to prompt), `rounds` times; a prompt's time on a system is the median of its
+    rounds, so a slow spell of a shared machine hits all systems alike and is voted out."""
     from runtime.tokenizer import ChatTokenizer
     tok = ChatTokenizer(model_dir)
     texts = CHATS + COPY_TASKS
     kinds = ["chat"] * len(CHATS) + ["copy"] * len(COPY_TASKS)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
-    result: dict = {"prompts": texts, "kinds": kinds, "max_tokens": max_tokens, "systems": {}}
-    for drafter in drafters:
-        r = stack_run(drafter, prompts, max_tokens, log_dir)
-        result["systems"][f"dflash up --drafter {drafter}"] = r
-        print(json.dumps({drafter: aggregate(r["runs"], kinds)}), flush=True)
-    for name, lookup in (("transformers generate", 0), ("transformers prompt lookup (10)", 10)):
-        r = transformers_run(model_dir, prompts, max_tokens, lookup)
-        result["systems"][name] = r
-        print(json.dumps({name: aggregate(r["runs"], kinds)}), flush=True)
-    reference = result["systems"]["transformers generate"]["output_ids"]
-    for r in result["systems"].values():
-        r["tokens_per_s"] = aggregate(r["runs"], kinds)
-        r["identical_to_transformers_greedy"] = r.pop("output_ids") == reference
+    systems: dict = {f"dflash up --drafter {d}": StackClient(d, log_dir) for d in drafters}
+    systems["transformers generate"] = TransformersGenerate(model_dir)
+    systems["transformers prompt lookup (10)"] = TransformersGenerate(model_dir, lookup=10)
+    names = list(systems)
+    measured: dict[str, list[list[dict]]] = {n: [[] for _ in prompts] for n in names}
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(systems[name]).warm(prompts)
+        for r in range(rounds):
+            for i, ids in enumerate(prompts):
+                k = (r * len(prompts) + i) % len(names)
+                for name in names[k:] + names[:k]:
+                    measured[name][i].append(systems[name].run(ids, max_tokens))
+        outputs = {n: systems[n].output_ids(prompts, max_tokens) for n in names}
+    result: dict = {"prompts": texts, "kinds": kinds, "max_tokens": max_tokens, "rounds": rounds,
+                    "systems": {}}
+    for name in names:
+        runs = [median_run(per_prompt) for per_prompt in measured[name]]
+        result["systems"][name] = {
+            "runs": runs, "tokens_per_s": aggregate(runs, kinds),
+            "identical_to_transformers_greedy": outputs[name] == outputs["transformers generate"]}
+        print(json.dumps({name: result["systems"][name]["tokens_per_s"]}), flush=True)
     return result
+
+
+def median_run(rounds: list[dict]) -> dict:
+    """One prompt's rounds on one system: the first round's record with the median seconds (and
+    time to first token); every round's seconds kept. Greedy: every round has the same tokens."""
+    if len({r["tokens"] for r in rounds}) != 1:
+        raise RuntimeError(f"greedy rounds differ in length: {[r['tokens'] for r in rounds]}")
+    run = dict(rounds[0], seconds=statistics.median(r["seconds"] for r in rounds),
+               seconds_rounds=[round(r["seconds"], 4) for r in rounds])
+    if "ttft_s" in run:
+        run["ttft_s"] = statistics.median(r["ttft_s"] for r in rounds)
+    return run
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -302,7 +373,8 @@ def markdown(r: dict) -> str:
     lines += ["", (f"**End to end**, one request at a time, greedy, up to {e['max_tokens']} new "
                   f"tokens, prefill included (`dflash up` through its OpenAI HTTP API, streamed; "
                   f"transformers `generate` in one process). Chat: {len(CHATS)} open questions; "
-                  f"copy: {len(COPY_TASKS)} tasks whose answers repeat the prompt."), "",
+                  f"copy: {len(COPY_TASKS)} tasks whose answers repeat the prompt.{rounds_text(e)}"),
+              "",
               ("| system | tokens/s chat | tokens/s copy | tokens/s all | mean acceptance length "
               "| identical to transformers greedy |"), "|---|---|---|---|---|---|"]
     for name, s in e["systems"].items():
@@ -312,6 +384,12 @@ def markdown(r: dict) -> str:
         lines.append(f"| {name} | {tps['chat']:.1f} | {tps['copy']:.1f} | {tps['all']:.1f} | "
                      f"{mal_text} | {'yes' if s['identical_to_transformers_greedy'] else 'NO'} |")
     return "\n".join(lines + ["", NOTES]) + "\n"
+
+
+def rounds_text(e: dict) -> str:
+    n = e.get("rounds", 1)
+    return (f" Every system up at once; each prompt ran on every system in turn (order rotated), "
+            f"{n} rounds; a prompt's time is the median of its rounds." if n > 1 else "")
 
 
 NOTES = """Reading the tables: the services' handler times include their batching queues (at
@@ -338,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--e2e-drafters", nargs="*", default=[],
                    help="drafters for `dflash up` (default: the launcher's default, and none)")
     p.add_argument("--e2e-max-tokens", type=int, default=128)
+    p.add_argument("--e2e-rounds", type=int, default=3,
+                   help="rounds of every prompt on every system (median per prompt)")
     p.add_argument("--shared", action="store_true", help="note that others used the CPU")
     p.add_argument("--out", default="bench/results/gateway_cpu.json")
     p.add_argument("--doc", default="docs/benchmarks.md")
@@ -362,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
             result["overhead"] += overhead(drafter, prompts, args.overhead_max_tokens,
                                            args.min_requests, Path(tmp))
         result["end_to_end"] = end_to_end(model_dir, args.e2e_drafters or [DEFAULT_DRAFTER, "none"],
-                                          args.e2e_max_tokens, Path(tmp))
+                                          args.e2e_max_tokens, Path(tmp), args.e2e_rounds)
     save(result, Path(args.out), Path(args.doc), SECTION, markdown)
     print(markdown(result))
 
