@@ -87,7 +87,11 @@ class Services:
 
     def __enter__(self) -> Services:  # noqa: PYI034
         self.stack.start()
-        self.stack.wait_ready()
+        try:
+            self.stack.wait_ready()
+        except BaseException:
+            self.stack.stop()           # a child that died or a timeout: stop the others
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -181,9 +185,13 @@ class StackClient:
     def __enter__(self) -> StackClient:  # noqa: PYI034
         from openai import OpenAI
         self.services.__enter__()
-        self.client = OpenAI(base_url=f"{self.services.stack.http_url}/v1", api_key="x",
-                             max_retries=0, timeout=1800)
-        self.model = self.client.models.list().data[0].id
+        try:
+            self.client = OpenAI(base_url=f"{self.services.stack.http_url}/v1", api_key="x",
+                                 max_retries=0, timeout=1800)
+            self.model = self.client.models.list().data[0].id
+        except BaseException:
+            self.services.__exit__(None, None, None)     # no stack left behind
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
