@@ -250,6 +250,7 @@ class TransformersGenerate:
         import torch
         from transformers import AutoModelForCausalLM
         self.torch, self.device = torch, device
+        self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         self.model = AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
         self.extra: dict = {"prompt_lookup_num_tokens": lookup} if lookup else {}
@@ -274,17 +275,18 @@ class TransformersGenerate:
             self._generate(ids, 8)
 
     def run(self, ids: list[int], max_tokens: int) -> dict:
-        sync = self.torch.cuda.synchronize if self.device.startswith("cuda") else (lambda: None)
-        sync()
+        self.sync()
         t0 = time.perf_counter()
         out = self._generate(ids, max_tokens)
-        sync()
+        self.sync()
         seconds = time.perf_counter() - t0
         self.outputs.setdefault(tuple(ids), out)
         return {"tokens": len(out), "seconds": seconds}
 
     def output_ids(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        return [self.outputs.get(tuple(ids)) or self._generate(ids, max_tokens) for ids in prompts]
+        """Each prompt's output from its first timed run (generated now if it never ran)."""
+        return [self.outputs[tuple(ids)] if tuple(ids) in self.outputs
+                else self._generate(ids, max_tokens) for ids in prompts]
 
 
 def transformers_run(model_dir: Path, prompts: list[list[int]], max_tokens: int,
