@@ -126,6 +126,7 @@ def test_sets_made_in_parallel_or_one_at_a_time_equal_those_of_one_process(tiny_
     (("--generation-processes", "-2"),
      "--generation-processes -2: give a count of processes (1 = one set after another)"),
     (("--self-prompts", "-1"), "--self-prompts -1 --self-prompt-tokens 96: give a count >= 0"),
+    (("--intermediate-size", "-8"), "--intermediate-size -8: give the drafter's FFN width (> 0)"),
 ])
 def test_bad_set_options_are_refused_before_generating(tiny_chat_target, tmp_path, flags,
                                                        message):

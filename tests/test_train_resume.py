@@ -101,6 +101,23 @@ def test_init_from_starts_where_a_trained_drafter_ended(tiny_target, tmp_path):
               examples, [])
 
 
+def test_intermediate_size_shapes_the_exported_drafter(tiny_target, tmp_path):
+    """--intermediate-size N: the export's FFN is N wide (config and weights) and it loads as a
+    drafter; 0 keeps the target's width."""
+    from runtime.config import read_config_json
+    from runtime.models.dflash import load_dflash
+    raw = read_config_json(str(tiny_target))
+    examples = _examples(int(raw["vocab_size"]))
+    wide = int(raw["intermediate_size"]) + 24
+    for width, expected in ((wide, wide), (0, int(raw["intermediate_size"]))):
+        out = train(replace(_cfg(tiny_target, tmp_path / f"w{width}"), steps=1,
+                            intermediate_size=width), examples, []).out
+        assert read_config_json(str(out))["intermediate_size"] == expected
+        gates = [v for k, v in read_tensors(str(out), None).items() if k.endswith("gate_proj.weight")]
+        assert gates and all(g.shape[0] == expected for g in gates)
+        load_dflash(str(out), torch.float32, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("window", [0, 5, 1000])
 def test_anchors_stay_in_the_answer_window(window):
     """Anchors lie in [prompt_len, len-2]; --anchor-window N keeps them in the answer's first N

@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="",
                    help="answer generation and features (default: triton on cuda, torch on cpu)")
     p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--intermediate-size", type=int, default=0, metavar="N",
+                   help="the drafter's FFN width (0 = the target's)")
     p.add_argument("--taps", type=int, default=5, help="target layers tapped for features")
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, metavar="L",
                    help="tapped target layers, each in [0, target layers) (default: --taps ids "
@@ -226,7 +228,11 @@ def _set_job(args, name: str, prompts: list, greedy: list[Example], work: Path) 
 
 
 def argument_error(args) -> str:
-    """What is wrong with --self-prompts, --generation-processes or --only-set, or ''."""
+    """What is wrong with --intermediate-size, --self-prompts, --generation-processes or
+    --only-set, or ''."""
+    if args.intermediate_size < 0:
+        return (f"--intermediate-size {args.intermediate_size}: give the drafter's FFN width "
+                f"(> 0) or 0 for the target's")
     if args.self_prompts < 0 or args.self_prompt_tokens < 1:
         return (f"--self-prompts {args.self_prompts} --self-prompt-tokens "
                 f"{args.self_prompt_tokens}: give a count >= 0 and a length >= 1")
@@ -277,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     work = Path(args.work) if args.work else out.parent / "work"
     cfg = TrainConfig(target_dir=args.target, out_dir=str(out), num_layers=args.layers,
+                      intermediate_size=args.intermediate_size,
                       block_size=args.block_size, num_taps=args.taps,
                       target_layer_ids=tuple(args.target_layer_ids or ()),
                       mask_token_id=args.mask_token_id, steps=args.steps,

@@ -53,6 +53,7 @@ class TrainConfig:
     target_dir: str
     out_dir: str
     num_layers: int = 2
+    intermediate_size: int = 0                 # the drafter's FFN width (0 = the target's)
     block_size: int = 16
     target_layer_ids: tuple[int, ...] = ()     # () = num_taps spread by DFlash's rule
     num_taps: int = 5
@@ -91,7 +92,8 @@ def tapped_layers(cfg: TrainConfig, num_target_layers: int) -> tuple[int, ...]:
 
 
 def draft_config_dict(cfg: TrainConfig, target_raw: dict, taps: tuple[int, ...]) -> dict:
-    """Qwen3-style layers shaped like the target's (hidden, heads, head_dim, FFN)."""
+    """Qwen3-style layers shaped like the target's (hidden, heads, head_dim; FFN width the
+    target's unless cfg.intermediate_size says otherwise)."""
     hidden = int(target_raw["hidden_size"])
     heads = int(target_raw["num_attention_heads"])
     return {
@@ -100,7 +102,7 @@ def draft_config_dict(cfg: TrainConfig, target_raw: dict, taps: tuple[int, ...])
         "num_attention_heads": heads,
         "num_key_value_heads": int(target_raw.get("num_key_value_heads") or heads),
         "head_dim": int(target_raw.get("head_dim") or hidden // heads),
-        "intermediate_size": int(target_raw["intermediate_size"]),
+        "intermediate_size": cfg.intermediate_size or int(target_raw["intermediate_size"]),
         "rms_norm_eps": float(target_raw.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(target_raw.get("rope_theta", 10000.0)),
         "max_position_embeddings": int(target_raw.get("max_position_embeddings", 8192)),
