@@ -26,6 +26,8 @@ NOT_SHIPPED = [  # label, training.json, colour: dashed curves of runs not shipp
      "bench/results/training/smollm2_self_prompts_partial.json", "tab:cyan"),
     ("tenth: the ninth's recipe, 21k steps (level with the ninth, not shipped)",
      "bench/results/training/smollm2_drafter10_training.json", "black"),
+    ("eleventh: the ninth's recipe, FFN 2048 wide (level with the ninth, not shipped)",
+     "bench/results/training/smollm2_drafter11_training.json", "tab:olive"),
 ]
 CONTINUED_FROM = "third"
 CONTINUED = "bench/results/training/smollm2_continued_training.json"

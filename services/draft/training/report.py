@@ -50,6 +50,11 @@ def evaluate_splits(cfg, draft_dir: Path, held: dict[str, list[Example]],
     return result
 
 
+def _ffn(cfg: dict) -> str:
+    width = cfg.get("intermediate_size", 0)
+    return f" (FFN width {width}, not the target's)" if width else ""
+
+
 def write_card(draft_dir: Path, summary: dict) -> None:
     cfg = summary["config"]
     ev = summary.get("eval", {})
@@ -59,8 +64,8 @@ def write_card(draft_dir: Path, summary: dict) -> None:
         "A block-diffusion drafter in z-lab's DFlash checkpoint format (config.json with "
         "`dflash_config`, model.safetensors), trained by this project with `dflash train-draft`.",
         "",
-        f"- layers: {cfg['num_layers']}, block size: {cfg['block_size']}, tapped target layers: "
-        f"{summary['target_layer_ids']}, mask token id: {cfg['mask_token_id']}",
+        f"- layers: {cfg['num_layers']}{_ffn(cfg)}, block size: {cfg['block_size']}, tapped target "
+        f"layers: {summary['target_layer_ids']}, mask token id: {cfg['mask_token_id']}",
         f"- data: {summary['num_train_examples']} answers of the target itself to "
         f"{summary['num_train_prompts'] - summary.get('num_self_written', 0)} training prompts "
         f"of `data/prompts/train.jsonl`"
