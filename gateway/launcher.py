@@ -29,6 +29,11 @@ CPU_DFLASH_BLOCK = 4
 # ... and above this many running requests it stops drafting: the autoregressive stack batches
 # its one-token verifies, while speculative blocks are compute-bound on a CPU (docs/benchmarks.md).
 CPU_SPEC_DISABLE_BATCH = 1
+# ... and its draft computes in bf16 when --draft-dtype is "": its forwards are a few rows, where
+# torch's bf16 GEMM reads half the bytes and beats fp32 (a Propose of 3 new rows and a block of 4:
+# about 6 ms against 8; docs/benchmarks.md, "CPU compute"). The drafter was trained in bf16, and
+# drafts only decide how much is accepted: the target (fp32) alone decides the output.
+CPU_DFLASH_DRAFT_DTYPE = "bfloat16"
 # The DFlash drafter trained by this project for SmolLM2-135M-Instruct (models/ in the repo).
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
 DRAFTERS = ("dflash", "prompt-lookup", "none")
@@ -46,6 +51,7 @@ class StackOptions:
     draft_metrics_port: int = 0
     model_dir: str = ""                # "" = SmolLM2-135M-Instruct fp32, prepared on first use
     dtype: str = "float32"
+    draft_dtype: str = ""              # "" = CPU_DFLASH_DRAFT_DTYPE for dflash on the CPU, else dtype
     drafter: str = DEFAULT_DRAFTER
     draft_model: str = ""              # dflash: checkpoint dir ("" = the shipped one for SmolLM2)
     block_size: int = 0
@@ -156,6 +162,13 @@ class Stack:
             return self.opts.block_size
         return CPU_DFLASH_BLOCK
 
+    def draft_dtype(self) -> str:
+        """The draft's --dtype: --draft-dtype, else CPU_DFLASH_DRAFT_DTYPE for a DFlash drafter
+        on the CPU, else the target's dtype."""
+        if self.opts.draft_dtype:
+            return self.opts.draft_dtype
+        return CPU_DFLASH_DRAFT_DTYPE if self.dflash_on_cpu else self.opts.dtype
+
     def spec_disable_batch(self) -> int:
         """The gateway's --spec-disable-batch-size: the option, else CPU_SPEC_DISABLE_BATCH for
         a DFlash drafter on the CPU, else 0 (always draft)."""
@@ -177,7 +190,7 @@ class Stack:
                 "--host", o.host, "--metrics-port", o.draft_metrics_port]
         if draft_model:
             args += ["--model", draft_model]
-        return args + ["--dtype", o.dtype, *self._device_args(), *o.draft_args]
+        return args + ["--dtype", self.draft_dtype(), *self._device_args(), *o.draft_args]
 
     def _graph_args(self, draft_model: str) -> list[str]:
         """A DFlash drafter reads the features of its target layers at every verify: the target
@@ -299,8 +312,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-metrics-port", type=int, default=d.target_metrics_port, help="0 = off")
     p.add_argument("--draft-metrics-port", type=int, default=d.draft_metrics_port, help="0 = off")
     p.add_argument("--model", default="", help="target HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=d.dtype, help="target and draft dtype (fp32 is fastest on "
-                                                    "CPU; bfloat16 on a GPU)")
+    p.add_argument("--dtype", default=d.dtype, help="target dtype (fp32 is fastest on CPU; "
+                                                    "bfloat16 on a GPU)")
+    p.add_argument("--draft-dtype", default=d.draft_dtype,
+                   help=f"draft dtype (default: {CPU_DFLASH_DRAFT_DTYPE} for dflash on the CPU, "
+                        f"else --dtype)")
     p.add_argument("--device", default=d.device, help="cpu | cuda | cuda:N (target and draft)")
     p.add_argument("--attention-backend", default=d.attention_backend,
                    help="torch | triton | flashinfer (default: triton on CUDA, torch on CPU)")
@@ -325,6 +341,7 @@ def options_from_args(args: argparse.Namespace, **overrides) -> StackOptions:
         host=args.host, http_port=args.http_port, port=args.port, target_port=args.target_port,
         draft_port=args.draft_port, target_metrics_port=args.target_metrics_port,
         draft_metrics_port=args.draft_metrics_port, model_dir=args.model, dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
         drafter=args.drafter, draft_model=args.draft_model, block_size=args.block_size,
         spec_disable_batch_size=args.spec_disable_batch_size,
         wire=args.wire, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout,

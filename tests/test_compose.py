@@ -86,6 +86,13 @@ def test_gpu_override_validates_and_selects_cuda(monkeypatch):
     assert devices[0]["capabilities"] == ["gpu"]
 
 
+def test_cpu_stack_runs_dflash_up_dtypes(parsed):
+    """As `dflash up` on the CPU: an fp32 target and a bf16 draft (CPU_DFLASH_DRAFT_DTYPE)."""
+    from gateway.launcher import CPU_DFLASH_DRAFT_DTYPE
+    assert (parsed["target"].dtype, parsed["target"].device) == ("float32", "cpu")
+    assert (parsed["draft"].dtype, parsed["draft"].device) == (CPU_DFLASH_DRAFT_DTYPE, "cpu")
+
+
 def healthcheck_probe(service: dict) -> tuple[str, str]:
     """(address, health service name) the healthcheck asks, after checking it is the probe."""
     test = service["healthcheck"]["test"]

@@ -161,3 +161,22 @@ def test_drafting_stops_above_a_batch_size_by_default_on_the_cpu(tmp_path):
     assert limit(spec_disable_batch_size=8) == 8
     assert limit(device="cuda", attention_backend="triton") == 0
     assert limit(drafter="none") == 0
+
+
+def test_draft_dtype_defaults_to_bf16_for_dflash_on_the_cpu(tmp_path):
+    """--draft-dtype "": CPU_DFLASH_DRAFT_DTYPE for dflash on the CPU, else the target's --dtype;
+    an explicit value always wins. The target keeps --dtype."""
+    from gateway.launcher import CPU_DFLASH_DRAFT_DTYPE, Stack, StackOptions
+    from runtime.prepare.smollm2 import prepare_smollm2
+    model = str(prepare_smollm2(["float32"], progress=False)["float32"])
+
+    def dtypes(**options) -> tuple[str, str]:
+        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), **options))
+        argv = {c.name: c.argv for c in stack.plan()}
+        return tuple(argv[n][argv[n].index("--dtype") + 1] for n in ("target", "draft"))
+
+    assert dtypes() == ("float32", CPU_DFLASH_DRAFT_DTYPE) == ("float32", "bfloat16")
+    assert dtypes(draft_dtype="float32") == ("float32", "float32")
+    assert dtypes(dtype="bfloat16", device="cuda", attention_backend="triton") == \
+        ("bfloat16", "bfloat16")
+    assert dtypes(drafter="prompt-lookup") == ("float32", "float32")

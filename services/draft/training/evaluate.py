@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default="models/smollm2-135m-instruct-dflash")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--draft-dtype", default="", help="the drafter's dtype (default: --dtype)")
     p.add_argument("--attention-backend", default="", help="default: torch on cpu, triton on cuda")
     p.add_argument("--splits", nargs="+", default=["eval_in", "eval_unseen"])
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])
@@ -80,7 +81,8 @@ async def evaluate(args: argparse.Namespace,
                      attention_backend=backend, max_block_size=max(16, args.block_size),
                      lease_seconds=3600),
         DraftConfig(target_dir=target_dir, model_dir=args.draft_model, device=args.device,
-                    dtype=args.dtype, attention_backend=backend, lease_seconds=3600))
+                    dtype=args.draft_dtype or args.dtype, attention_backend=backend,
+                    lease_seconds=3600))
     tok = ChatTokenizer(target_dir)
     eos = set(engines.target.worker.facts.eos_token_ids)
     runs: list[dict] = []
@@ -105,8 +107,8 @@ async def evaluate(args: argparse.Namespace,
 
 def _result(args: argparse.Namespace, target_dir: str, runs: list[dict], complete: bool) -> dict:
     return {"machine": platform.processor() or platform.machine(), "date": str(date.today()),
-            "target": target_dir, "draft_model": args.draft_model,
-            "block_size": args.block_size, "max_new_tokens": args.max_new_tokens,
+            "target": target_dir, "draft_model": args.draft_model, "dtype": args.dtype,
+            "draft_dtype": args.draft_dtype or args.dtype, "block_size": args.block_size, "max_new_tokens": args.max_new_tokens,
             "turn": "second" if args.follow_up else "first", "complete": complete,
             "summary": [{k: r[k] for k in ("split", "temperature", "tau", "per_category",
                                            "per_position", "identical_to_target")}
