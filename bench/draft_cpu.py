@@ -1,6 +1,7 @@
 """python -m bench.draft_cpu [--out bench/results/draft_cpu.json]: the draft service on CPU with
 SmolLM2-135M-Instruct as the target and random DFlash drafters of its trained shape (1 and 2
-layers, hidden 576, 9 heads / 3 kv heads, block 16, fp32).
+layers, hidden 576, 9 heads / 3 kv heads, block 16, fp32), or with --draft-model DIR that
+drafter; --dtypes: the draft dtypes measured, each row in each (default fp32).
 
 Measured through the real DraftEngine (engine thread, paged context KV, batched step):
   - Propose latency for blocks of 4, 8, 16: each step appends 4 new feature rows (an accepted
@@ -47,8 +48,9 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 
 class Bench:
-    def __init__(self, draft: Path, target: Path, compute_threads: int) -> None:
-        self.config = DraftConfig(target_dir=str(target), model_dir=str(draft),
+    def __init__(self, draft: Path, target: Path, compute_threads: int,
+                 dtype: str = "float32") -> None:
+        self.config = DraftConfig(target_dir=str(target), model_dir=str(draft), dtype=dtype,
                                   kv_budget_bytes=512 << 20)
         drafter = DFlashDrafter(self.config)
         drafter.init_backend()
@@ -159,21 +161,47 @@ def _wait_serving(address: str) -> None:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| draft layers | block B | batch | Propose median ms | p90 ms |",
-             "|---|---|---|---|---|"]
+    lines = ["| draft layers | dtype | block B | batch | Propose median ms | p90 ms |",
+             "|---|---|---|---|---|---|"]
     for r in result["propose"]:
-        lines.append(f"| {r['layers']} | {r['block']} | {r['batch']} | {r['median_ms']:.2f} | "
-                     f"{r['p90_ms']:.2f} |")
-    lines += ["", "| draft layers | append 1 000 feature rows: median ms | µs per token |",
-              "|---|---|---|"]
+        lines.append(f"| {r['layers']} | {r.get('dtype', 'float32')} | {r['block']} | "
+                     f"{r['batch']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} |")
+    lines += ["", "| draft layers | dtype | append 1 000 feature rows: median ms | µs per token |",
+              "|---|---|---|---|"]
     for r in result["append"]:
-        lines.append(f"| {r['layers']} | {r['median_ms']:.2f} | {r['us_per_token']:.2f} |")
+        lines.append(f"| {r['layers']} | {r.get('dtype', 'float32')} | {r['median_ms']:.2f} | "
+                     f"{r['us_per_token']:.2f} |")
     for r in result.get("grpc", []):
         text = (f"gRPC round trip (client side, {r['layers']} layer, B = 16, batch 1, "
                 f"{r['new_rows']} new rows): median {r['median_ms']:.2f} ms, "
                 f"p90 {r['p90_ms']:.2f} ms.")
         lines += ["", text]
     return "\n".join(lines)
+
+
+def drafters(draft_model: str, target: Path, tmp: Path) -> list[tuple[int, Path]]:
+    """(layers, checkpoint dir): --draft-model's, else random ones of each of LAYERS."""
+    if draft_model:
+        layers = json.loads((Path(draft_model) / "config.json").read_text())["num_hidden_layers"]
+        return [(layers, Path(draft_model))]
+    return [(n, make_random_drafter(target, tmp / f"d{n}", num_layers=n, block_size=16))
+            for n in LAYERS]
+
+
+def measure(result: dict, bench: Bench, tags: dict, args: argparse.Namespace) -> None:
+    """Every Propose row and the append row of one drafter in one dtype into result."""
+    try:
+        bench.propose_latency(max(BLOCKS), max(BATCHES), 2)     # untimed warm-up
+        for block in BLOCKS:
+            for batch in BATCHES:
+                row = {**tags, **bench.propose_latency(block, batch, args.steps)}
+                result["propose"].append(row)
+                print(json.dumps(row), flush=True)
+        row = {**tags, **bench.append_cost(args.reps)}
+        result["append"].append(row)
+        print(json.dumps(row), flush=True)
+    finally:
+        bench.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -184,32 +212,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="the engine thread's torch threads (0 = torch's default)")
     p.add_argument("--no-grpc", action="store_true", help="skip the gRPC round-trip row")
+    p.add_argument("--draft-model", default="", help="this drafter instead of random ones")
+    p.add_argument("--dtypes", nargs="+", default=["float32"], help="draft dtypes measured")
     args = p.parse_args(argv)
     threads.serial()            # only the engine thread computes in parallel (runtime.threads)
     from runtime.prepare.smollm2 import prepare_smollm2
     target = prepare_smollm2(["float32"], progress=False)["float32"]
     result: dict = {"machine": platform.platform(), "processor": platform.processor(),
                     "torch": torch.__version__, "threads": args.threads or threads.COMPUTE_THREADS,
-                    "target": "smollm2-135m-instruct fp32", "draft_dtype": "float32",
+                    "target": "smollm2-135m-instruct fp32", "draft_dtypes": args.dtypes,
+                    "draft_model": args.draft_model or "random",
                     "feature_dtype": "bfloat16", "load_average_before": os.getloadavg(),
                     "propose": [], "append": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for layers in LAYERS:
-            draft = make_random_drafter(target, Path(tmp) / f"d{layers}", num_layers=layers,
-                                        block_size=16)
-            bench = Bench(draft, target, args.threads)
-            try:
-                bench.propose_latency(max(BLOCKS), max(BATCHES), 2)     # untimed warm-up
-                for block in BLOCKS:
-                    for batch in BATCHES:
-                        row = {"layers": layers, **bench.propose_latency(block, batch, args.steps)}
-                        result["propose"].append(row)
-                        print(json.dumps(row), flush=True)
-                row = {"layers": layers, **bench.append_cost(args.reps)}
-                result["append"].append(row)
-                print(json.dumps(row), flush=True)
-            finally:
-                bench.close()
+        for layers, draft in drafters(args.draft_model, target, Path(tmp)):
+            for dtype in args.dtypes:
+                measure(result, Bench(draft, target, args.threads, dtype),
+                        {"layers": layers, "dtype": dtype}, args)
             if layers == 1 and not args.no_grpc:
                 row = {"layers": 1, **grpc_latency(draft, target, args.steps)}
                 result["grpc"] = [row]

@@ -180,7 +180,8 @@ class StackClient:
     OpenAI HTTP API, streamed, as users call it."""
 
     def __init__(self, drafter: str, log_dir: Path, **options) -> None:
-        self.services = Services(drafter, log_dir / f"e2e-{drafter}", **options)
+        tag = "-".join([drafter, *(str(v) for v in options.values() if v)])
+        self.services = Services(drafter, log_dir / f"e2e-{tag}", **options)
 
     def __enter__(self) -> StackClient:  # noqa: PYI034
         from openai import OpenAI
@@ -317,7 +318,7 @@ def end_to_end(model_dir: Path, drafters: list[str], max_tokens: int, log_dir: P
     texts = CHATS + COPY_TASKS
     kinds = ["chat"] * len(CHATS) + ["copy"] * len(COPY_TASKS)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
-    systems: dict = {f"dflash up --drafter {d}": StackClient(d, log_dir) for d in drafters}
+    systems: dict = dict(stack_system(d, log_dir) for d in drafters)
     systems["transformers generate"] = TransformersGenerate(model_dir)
     systems["transformers prompt lookup (10)"] = TransformersGenerate(model_dir, lookup=10)
     names = list(systems)
@@ -340,6 +341,13 @@ def end_to_end(model_dir: Path, drafters: list[str], max_tokens: int, log_dir: P
             "identical_to_transformers_greedy": outputs[name] == outputs["transformers generate"]}
         print(json.dumps({name: result["systems"][name]["tokens_per_s"]}), flush=True)
     return result
+
+
+def stack_system(spec: str, log_dir: Path) -> tuple[str, StackClient]:
+    """'DRAFTER' or 'DRAFTER:DRAFT_DTYPE' (e.g. dflash:float32) -> (its label, its stack)."""
+    drafter, _, dtype = spec.partition(":")
+    label = f"dflash up --drafter {drafter}" + (f" --draft-dtype {dtype}" if dtype else "")
+    return label, StackClient(drafter, log_dir, draft_dtype=dtype)
 
 
 def median_run(rounds: list[dict]) -> dict:
@@ -409,7 +417,9 @@ is a few milliseconds per step and a few percent of it; it grows with concurrenc
 the three processes share two cores (event-loop and CPU waits show up as wire time). The DFlash
 rows use the drafter shipped for SmolLM2 (models/smollm2-135m-instruct-dflash) with `dflash up`'s
 CPU defaults: a verify block of 4 tokens (see "CPU compute" for why a verify of up to 4 tokens
-costs about one decode step there), and drafting only while one request is running, so at
+costs about one decode step there), a bf16 draft (`--draft-dtype`; its few-row forwards are
+about a third faster than in fp32, see "Draft service (CPU)"; the `--draft-dtype float32` row
+is the same stack with an fp32 draft), and drafting only while one request is running, so at
 concurrency 8 and 32 those rows run autoregressively (see "Speculation under load"). Prompt lookup pays off on copy-like answers
 and costs a little on open chat. `dflash up` spreads one request over three processes, which
 transformers in one process does not pay for; its speed over transformers comes from the engine
@@ -424,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--overhead-max-tokens", type=int, default=32)
     p.add_argument("--min-requests", type=int, default=4, help="requests per level at least")
     p.add_argument("--e2e-drafters", nargs="*", default=[],
-                   help="drafters for `dflash up` (default: the launcher's default, and none)")
+                   help="drafters for `dflash up`, each DRAFTER or DRAFTER:DRAFT_DTYPE (default: "
+                        "the launcher's default, and none)")
     p.add_argument("--e2e-max-tokens", type=int, default=128)
     p.add_argument("--e2e-rounds", type=int, default=3,
                    help="rounds of every prompt on every system (median per prompt)")

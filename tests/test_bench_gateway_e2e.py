@@ -45,3 +45,15 @@ def test_transformers_as_a_system_returns_what_generate_returns(tmp_path):
     assert [r["tokens"] for r in result["runs"]] == [len(e) for e in expected]
     system = TransformersGenerate(model_dir)           # a prompt not yet run is generated
     assert system.output_ids(prompts[:1], 6) == expected[:1]
+
+
+def test_stack_systems_name_their_draft_dtype(tmp_path):
+    """--e2e-drafters DRAFTER[:DRAFT_DTYPE]: the label says the dtype, the stack's options carry
+    it ("" = the launcher's default), and each system logs into its own folder."""
+    from bench.gateway_cpu import stack_system
+    label, fp32 = stack_system("dflash:float32", tmp_path)
+    assert label == "dflash up --drafter dflash --draft-dtype float32"
+    assert fp32.services.opts.draft_dtype == "float32"
+    label, default = stack_system("dflash", tmp_path)
+    assert label == "dflash up --drafter dflash" and default.services.opts.draft_dtype == ""
+    assert fp32.services.opts.log_dir != default.services.opts.log_dir
