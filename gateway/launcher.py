@@ -30,9 +30,9 @@ CPU_DFLASH_BLOCK = 4
 # its one-token verifies, while speculative blocks are compute-bound on a CPU (docs/benchmarks.md).
 CPU_SPEC_DISABLE_BATCH = 1
 # ... and its draft computes in bf16 when --draft-dtype is "": its forwards are a few rows, where
-# torch's bf16 GEMM reads half the bytes and beats fp32 (a Propose of 3 new rows and a block of 4:
-# about 6 ms against 8; docs/benchmarks.md, "CPU compute"). The drafter was trained in bf16, and
-# drafts only decide how much is accepted: the target (fp32) alone decides the output.
+# torch's bf16 GEMM reads half the bytes and beats fp32 (a Propose of 4 new rows and a block of
+# 4: 5.4 ms against 8.2; docs/benchmarks.md, "Draft service (CPU)"). The drafter was trained in
+# bf16, and drafts only decide how much is accepted: the fp32 target alone decides the output.
 CPU_DFLASH_DRAFT_DTYPE = "bfloat16"
 # The DFlash drafter trained by this project for SmolLM2-135M-Instruct (models/ in the repo).
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
