@@ -96,9 +96,10 @@ def test_init_from_starts_where_a_trained_drafter_ended(tiny_target, tmp_path):
                           lr=0.0, steps=1), examples, [])
     a, b = read_tensors(str(first.out), None), read_tensors(str(again.out), None)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    with pytest.raises(ValueError, match=r"layers, taps, block size, mask id"):
-        train(replace(_cfg(tiny_target, tmp_path / "x"), num_layers=2, init_from=str(first.out)),
-              examples, [])
+    for other in ({"num_layers": 2}, {"intermediate_size": 40}):
+        with pytest.raises(ValueError, match=r"layers, FFN width, taps, block size, mask id"):
+            train(replace(_cfg(tiny_target, tmp_path / "x"), init_from=str(first.out), **other),
+                  examples, [])
 
 
 def test_intermediate_size_shapes_the_exported_drafter(tiny_target, tmp_path):

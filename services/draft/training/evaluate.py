@@ -108,7 +108,8 @@ async def evaluate(args: argparse.Namespace,
 def _result(args: argparse.Namespace, target_dir: str, runs: list[dict], complete: bool) -> dict:
     return {"machine": platform.processor() or platform.machine(), "date": str(date.today()),
             "target": target_dir, "draft_model": args.draft_model, "dtype": args.dtype,
-            "draft_dtype": args.draft_dtype or args.dtype, "block_size": args.block_size, "max_new_tokens": args.max_new_tokens,
+            "draft_dtype": args.draft_dtype or args.dtype, "block_size": args.block_size,
+            "max_new_tokens": args.max_new_tokens,
             "turn": "second" if args.follow_up else "first", "complete": complete,
             "summary": [{k: r[k] for k in ("split", "temperature", "tau", "per_category",
                                            "per_position", "identical_to_target")}

@@ -158,15 +158,17 @@ def init_output_norm(draft: DFlashDraftModel, target_dir: str) -> None:
 
 @torch.no_grad()
 def init_from_drafter(draft: DFlashDraftModel, path: str) -> None:
-    """Continue from a trained drafter (e.g. more steps on more answers): its architecture, taps,
-    block size and mask token must be the ones this run trains."""
+    """Continue from a trained drafter (e.g. more steps on more answers): its architecture (layers,
+    FFN width), taps, block size and mask token must be the ones this run trains."""
     start = load_dflash(path, torch.float32, next(draft.parameters()).device)
     mine, theirs = draft.cfg, start.cfg
-    got = (theirs.base.num_layers, theirs.target_layer_ids, theirs.block_size, theirs.mask_token_id)
-    want = (mine.base.num_layers, mine.target_layer_ids, mine.block_size, mine.mask_token_id)
+    got = (theirs.base.num_layers, theirs.base.intermediate_size, theirs.target_layer_ids,
+           theirs.block_size, theirs.mask_token_id)
+    want = (mine.base.num_layers, mine.base.intermediate_size, mine.target_layer_ids,
+            mine.block_size, mine.mask_token_id)
     if got != want:
-        raise ValueError(f"--init-from {path}: (layers, taps, block size, mask id) {got} differ "
-                         f"from this run's {want}")
+        raise ValueError(f"--init-from {path}: (layers, FFN width, taps, block size, mask id) "
+                         f"{got} differ from this run's {want}")
     draft.load_state_dict(start.state_dict())
     log.info("starting from the weights of %s", path)
 
