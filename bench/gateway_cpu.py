@@ -417,9 +417,10 @@ is a few milliseconds per step and a few percent of it; it grows with concurrenc
 the three processes share two cores (event-loop and CPU waits show up as wire time). The DFlash
 rows use the drafter shipped for SmolLM2 (models/smollm2-135m-instruct-dflash) with `dflash up`'s
 CPU defaults: a verify block of 4 tokens (see "CPU compute" for why a verify of up to 4 tokens
-costs about one decode step there), a bf16 draft (`--draft-dtype`; its few-row forwards are
-about a third faster than in fp32, see "Draft service (CPU)"; the `--draft-dtype float32` row
-is the same stack with an fp32 draft), and drafting only while one request is running, so at
+costs about one decode step there), a draft of dtype auto (`--draft-dtype`: bf16 on this CPU,
+whose torch computes it natively; its few-row forwards are about a third faster than in fp32,
+see "Draft service (CPU)"; the `--draft-dtype float32` row is the same stack with an fp32
+draft), and drafting only while one request is running, so at
 concurrency 8 and 32 those rows run autoregressively (see "Speculation under load"). Prompt lookup pays off on copy-like answers
 and costs a little on open chat. `dflash up` spreads one request over three processes, which
 transformers in one process does not pay for; its speed over transformers comes from the engine

@@ -29,11 +29,12 @@ CPU_DFLASH_BLOCK = 4
 # ... and above this many running requests it stops drafting: the autoregressive stack batches
 # its one-token verifies, while speculative blocks are compute-bound on a CPU (docs/benchmarks.md).
 CPU_SPEC_DISABLE_BATCH = 1
-# ... and its draft computes in bf16 when --draft-dtype is "": its forwards are a few rows, where
-# torch's bf16 GEMM reads half the bytes and beats fp32 (a Propose of 4 new rows and a block of
-# 4: 5.4 ms against 8.2; docs/benchmarks.md, "Draft service (CPU)"). The drafter was trained in
-# bf16, and drafts only decide how much is accepted: the fp32 target alone decides the output.
-CPU_DFLASH_DRAFT_DTYPE = "bfloat16"
+# ... and its draft gets --dtype auto when --draft-dtype is "": bf16 where torch runs bf16 GEMMs
+# natively (AVX-512 core), else fp32. A draft forward is a few rows, where bf16 reads half the
+# bytes (a Propose of 4 new rows and a block of 4: 5.4 ms against 8.2; docs/benchmarks.md, "Draft
+# service (CPU)"). The drafter was trained in bf16, and drafts only decide how much is accepted:
+# the fp32 target alone decides the output.
+CPU_DFLASH_DRAFT_DTYPE = "auto"
 # The DFlash drafter trained by this project for SmolLM2-135M-Instruct (models/ in the repo).
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
 DRAFTERS = ("dflash", "prompt-lookup", "none")
@@ -315,8 +316,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=d.dtype, help="target dtype (fp32 is fastest on CPU; "
                                                     "bfloat16 on a GPU)")
     p.add_argument("--draft-dtype", default=d.draft_dtype,
-                   help=f"draft dtype (default: {CPU_DFLASH_DRAFT_DTYPE} for dflash on the CPU, "
-                        f"else --dtype)")
+                   help="draft dtype, or auto: bfloat16 where the device computes it natively, "
+                        "else float32 (default: auto for dflash on the CPU, else --dtype)")
     p.add_argument("--device", default=d.device, help="cpu | cuda | cuda:N (target and draft)")
     p.add_argument("--attention-backend", default=d.attention_backend,
                    help="torch | triton | flashinfer (default: triton on CUDA, torch on CPU)")

@@ -87,7 +87,8 @@ def test_gpu_override_validates_and_selects_cuda(monkeypatch):
 
 
 def test_cpu_stack_runs_dflash_up_dtypes(parsed):
-    """As `dflash up` on the CPU: an fp32 target and a bf16 draft (CPU_DFLASH_DRAFT_DTYPE)."""
+    """As `dflash up` on the CPU: an fp32 target and a draft of dtype auto (CPU_DFLASH_DRAFT_DTYPE:
+    bf16 where the host's CPU computes it natively)."""
     from gateway.launcher import CPU_DFLASH_DRAFT_DTYPE
     assert (parsed["target"].dtype, parsed["target"].device) == ("float32", "cpu")
     assert (parsed["draft"].dtype, parsed["draft"].device) == (CPU_DFLASH_DRAFT_DTYPE, "cpu")

@@ -92,6 +92,24 @@ def test_service_flag_reaches_both_configs(monkeypatch):
     assert d.cpu_gemm == "torch"
 
 
+def test_draft_dtype_auto_is_bf16_where_torch_computes_it_natively(monkeypatch):
+    """--dtype auto: bf16 on CUDA and on a CPU with torch's native bf16 GEMM, else fp32; a named
+    dtype is kept; anything else is refused with the choices."""
+    import services.draft.config as draft_config
+    from services.draft.__main__ import config_from_args, parse_args
+    cfg = config_from_args(parse_args(["--target-model", "t", "--model", "m", "--dtype", "auto"]))
+    assert cfg.dtype == "auto"
+    assert cfg.resolved_dtype() == ("bfloat16" if lin.native_bf16_gemm() else "float32")
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(draft_config, "native_bf16_gemm", lambda native=native: native)
+        assert DraftConfig(target_dir="t", dtype="auto").resolved_dtype() == expected
+        assert DraftConfig(target_dir="t", dtype="auto", device="cuda").resolved_dtype() == \
+            "bfloat16"
+        assert DraftConfig(target_dir="t", dtype="float32").resolved_dtype() == "float32"
+    with pytest.raises(ValueError, match=r"dtype 'fp8' is not supported; allowed: .*'auto'"):
+        DraftConfig(target_dir="t", dtype="fp8")
+
+
 def test_engine_thread_computes_in_parallel_while_the_caller_is_serial():
     """The engine loop's on_start runs on the engine thread, before its first step: that thread
     gets the process's compute threads whatever the caller's thread uses, even when another

@@ -163,7 +163,7 @@ def test_drafting_stops_above_a_batch_size_by_default_on_the_cpu(tmp_path):
     assert limit(drafter="none") == 0
 
 
-def test_draft_dtype_defaults_to_bf16_for_dflash_on_the_cpu(tmp_path):
+def test_draft_dtype_defaults_to_auto_for_dflash_on_the_cpu(tmp_path):
     """--draft-dtype "": CPU_DFLASH_DRAFT_DTYPE for dflash on the CPU, else the target's --dtype;
     an explicit value always wins. The target keeps --dtype."""
     from gateway.launcher import CPU_DFLASH_DRAFT_DTYPE, Stack, StackOptions
@@ -175,7 +175,7 @@ def test_draft_dtype_defaults_to_bf16_for_dflash_on_the_cpu(tmp_path):
         argv = {c.name: c.argv for c in stack.plan()}
         return tuple(argv[n][argv[n].index("--dtype") + 1] for n in ("target", "draft"))
 
-    assert dtypes() == ("float32", CPU_DFLASH_DRAFT_DTYPE) == ("float32", "bfloat16")
+    assert dtypes() == ("float32", CPU_DFLASH_DRAFT_DTYPE) == ("float32", "auto")
     assert dtypes(draft_dtype="float32") == ("float32", "float32")
     assert dtypes(dtype="bfloat16", device="cuda", attention_backend="triton") == \
         ("bfloat16", "bfloat16")

@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.config import DTYPES
-from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM
+from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM, native_bf16_gemm
 
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
+AUTO_DTYPE = "auto"     # bf16 where the device computes it natively, else fp32 (resolved_dtype)
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,7 @@ class DraftConfig:
     model_dir: str = ""                # the drafter checkpoint (dflash); unused by prompt lookup
     drafter: str = "dflash"            # a name in services.draft.drafter.DRAFTERS
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"             # or AUTO_DTYPE
     attention_backend: str = "torch"
     kv_budget_bytes: int = 256 << 20   # context KV pages
     page_size: int = 16
@@ -37,8 +38,9 @@ class DraftConfig:
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu gemm {self.cpu_gemm!r} is not offered by this torch build; "
                              f"allowed: {sorted(CPU_GEMMS)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; allowed: {sorted(DTYPES)}")
+        if self.dtype not in DTYPES and self.dtype != AUTO_DTYPE:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; allowed: "
+                             f"{sorted(DTYPES) + [AUTO_DTYPE]}")
         if self.feature_dtype not in FEATURE_DTYPES:
             raise ValueError(f"feature dtype {self.feature_dtype!r} is not supported; "
                              f"allowed: {list(FEATURE_DTYPES)}")
@@ -47,3 +49,12 @@ class DraftConfig:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, "
                              f"{self.max_ngram}")
+
+    def resolved_dtype(self) -> str:
+        """The dtype the drafter computes in. 'auto': bfloat16 on CUDA and on a CPU whose torch
+        runs bf16 GEMMs natively (a draft forward is a few rows, where bf16 reads half the
+        bytes: docs/benchmarks.md, "Draft service (CPU)"), else float32."""
+        if self.dtype != AUTO_DTYPE:
+            return self.dtype
+        native = self.device != "cpu" or native_bf16_gemm()
+        return "bfloat16" if native else "float32"

@@ -29,7 +29,7 @@ from runtime.models.dflash import (
     target_layer_ids_problem,
 )
 from runtime.models.forward import ForwardBatch, ForwardOutput
-from services.draft.config import DraftConfig
+from services.draft.config import AUTO_DTYPE, DraftConfig
 from services.draft.drafter import Drafter, DrafterFacts, DrafterRefused, ProposeItem
 
 log = logging.getLogger("dflash.draft.dflash")
@@ -68,7 +68,9 @@ class DFlashDrafter(Drafter):
     def __init__(self, config: DraftConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = parse_dtype(config.dtype)
+        self.dtype = parse_dtype(config.resolved_dtype())
+        if config.dtype == AUTO_DTYPE:
+            log.info("draft dtype auto", extra={"dtype": config.resolved_dtype()})
         cfg, shapes = _read_checkpoint(config.model_dir)
         target = TargetFingerprint.of_target(config.target_dir)
         problems = compatibility_problems(
