@@ -219,7 +219,8 @@ class StackClient:
 
     def output_ids(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """The greedy outputs as token ids (through the gRPC API, which returns ids)."""
-        return [_grpc_ids(f"127.0.0.1:{self.services.opts.port}", ids, max_tokens)
+        opts = self.services.opts
+        return [_grpc_ids(f"{opts.host}:{opts.port}", ids, max_tokens)
                 for ids in prompts]
 
 
@@ -445,6 +446,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--doc", default="docs/benchmarks.md")
     p.add_argument("--render-only", action="store_true", help="rewrite the doc from --out")
     args = p.parse_args(argv)
+    if args.e2e_rounds < 1:
+        p.error(f"--e2e-rounds {args.e2e_rounds}: give at least 1 round")
     if args.render_only:
         write_section(Path(args.doc), SECTION, markdown(json.loads(Path(args.out).read_text())))
         return

@@ -57,3 +57,11 @@ def test_stack_systems_name_their_draft_dtype(tmp_path):
     label, default = stack_system("dflash", tmp_path)
     assert label == "dflash up --drafter dflash" and default.services.opts.draft_dtype == ""
     assert fp32.services.opts.log_dir != default.services.opts.log_dir
+
+
+def test_fewer_than_one_round_is_refused_before_anything_starts(capsys):
+    from bench.gateway_cpu import main
+    with pytest.raises(SystemExit) as done:
+        main(["--e2e-rounds", "0"])
+    assert done.value.code == 2
+    assert "--e2e-rounds 0: give at least 1 round" in capsys.readouterr().err

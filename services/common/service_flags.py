@@ -10,11 +10,12 @@ from services.common import flags, tls
 
 def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget: str,
                             kv_help: str, token_budget: int, token_help: str,
-                            drain_help: str) -> None:
+                            drain_help: str,
+                            dtype_help: str = "float32 | bfloat16 | float16") -> None:
     flags.add(p, "--port", port, int, "gRPC port")
     flags.add(p, "--host", "0.0.0.0", str, "listen address")
     flags.add(p, "--device", "cpu", str, "cpu | cuda | cuda:N")
-    flags.add(p, "--dtype", "float32", str, "float32 | bfloat16 | float16")
+    flags.add(p, "--dtype", "float32", str, dtype_help)
     flags.add(p, "--attention-backend", "torch", str, "torch | triton | flashinfer")
     flags.add(p, "--cpu-gemm", DEFAULT_CPU_GEMM, str,
               f"fp32 CPU GEMM of linear layers: {' | '.join(sorted(CPU_GEMMS))} (torch = MKL)")

@@ -47,7 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p, port=50052, kv_budget="256MiB", kv_help="memory for context KV pages",
         token_budget=4096, token_help="feature rows + block tokens per engine iteration",
         drain_help="SIGTERM: seconds for the sequences it holds to be released (Proposes that "
-                   "start a sequence are refused meanwhile) before it exits")
+                   "start a sequence are refused meanwhile) before it exits",
+        dtype_help="float32 | bfloat16 | float16 | auto (bfloat16 where the device computes it "
+                   "natively: CUDA, or a CPU with AVX-512; else float32)")
     flags.add(p, "--max-block-size", 0, int, "largest Propose block (0 = the drafter's block size)")
     flags.add(p, "--block-size", 8, int, "prompt lookup: the block size it advertises")
     flags.add(p, "--max-ngram", 4, int, "prompt lookup: longest suffix n-gram matched")

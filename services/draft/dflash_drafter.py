@@ -68,9 +68,10 @@ class DFlashDrafter(Drafter):
     def __init__(self, config: DraftConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = parse_dtype(config.resolved_dtype())
+        dtype = config.resolved_dtype()
+        self.dtype = parse_dtype(dtype)
         if config.dtype == AUTO_DTYPE:
-            log.info("draft dtype auto", extra={"dtype": config.resolved_dtype()})
+            log.info("draft dtype auto", extra={"dtype": dtype})
         cfg, shapes = _read_checkpoint(config.model_dir)
         target = TargetFingerprint.of_target(config.target_dir)
         problems = compatibility_problems(

@@ -81,7 +81,7 @@ async def evaluate(args: argparse.Namespace,
                      attention_backend=backend, max_block_size=max(16, args.block_size),
                      lease_seconds=3600),
         DraftConfig(target_dir=target_dir, model_dir=args.draft_model, device=args.device,
-                    dtype=args.draft_dtype or args.dtype, attention_backend=backend,
+                    dtype=_draft_dtype(args), attention_backend=backend,
                     lease_seconds=3600))
     tok = ChatTokenizer(target_dir)
     eos = set(engines.target.worker.facts.eos_token_ids)
@@ -105,10 +105,14 @@ async def evaluate(args: argparse.Namespace,
     return _result(args, target_dir, runs, complete=True)
 
 
+def _draft_dtype(args: argparse.Namespace) -> str:
+    return args.draft_dtype or args.dtype
+
+
 def _result(args: argparse.Namespace, target_dir: str, runs: list[dict], complete: bool) -> dict:
     return {"machine": platform.processor() or platform.machine(), "date": str(date.today()),
             "target": target_dir, "draft_model": args.draft_model, "dtype": args.dtype,
-            "draft_dtype": args.draft_dtype or args.dtype, "block_size": args.block_size,
+            "draft_dtype": _draft_dtype(args), "block_size": args.block_size,
             "max_new_tokens": args.max_new_tokens,
             "turn": "second" if args.follow_up else "first", "complete": complete,
             "summary": [{k: r[k] for k in ("split", "temperature", "tau", "per_category",
