@@ -8,7 +8,8 @@ import torch
 
 from runtime.models.dflash import TargetHead
 from runtime.tokenizer import ChatTokenizer
-from services.draft.training.blocks import block_inputs, block_loss, soft_targets
+from services.draft.training.blocks import (block_inputs, block_loss, reach_weights,
+                                             soft_targets)
 from services.draft.training.features import FeatureCache, FeatureExtractor
 from services.draft.training.generate import answer_wave, chat_prompt_ids
 from services.draft.training.target_runner import TargetRunner
@@ -183,3 +184,37 @@ def test_block_loss_over_labelled_rows_equals_the_loss_over_all_rows_and_its_gra
     torch.testing.assert_close(got_acc, want_acc)
     torch.testing.assert_close(g_got, g_want)
     assert not g_got[1, 2].any()                     # an unlabelled block gets no gradient
+
+
+def test_reach_weights_are_the_drafters_probability_of_the_labels_before_each_position():
+    # two blocks of 4 draft positions; the second's last two positions are unlabelled
+    ce = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    rows = torch.tensor([0, 1, 2, 3, 4, 5])
+    got = reach_weights(ce, rows, 8, 4)
+    p = torch.exp(-ce)
+    want = torch.stack([torch.tensor(1.0), p[0], p[0] * p[1], p[0] * p[1] * p[2],
+                        torch.tensor(1.0), p[4]])
+    torch.testing.assert_close(got, want)
+
+
+def test_reach_weight_leaves_position_one_and_cuts_the_gradient_behind_a_hopeless_draft():
+    torch.manual_seed(2)
+    weight = torch.randn(30, 8)
+    head = TargetHead(weight, weight)
+    hidden = torch.randn(1, 2, 4, 8)
+    logits = hidden[:, :, 1:] @ weight.t()           # [1, 2, 3, V]
+    labels = logits.argmax(-1)                        # every position the draft's own argmax ...
+    labels[0, 1, 0] = logits[0, 1, 0].argmin()        # ... but block 2's first is hopeless
+    w = torch.ones(3)
+    hidden.requires_grad_(True)
+    plain, _ = block_loss(hidden, labels, head, w)
+    (g_plain,) = torch.autograd.grad(plain, hidden)
+    got, _ = block_loss(hidden, labels, head, w, reach_weight=1.0)
+    (g_got,) = torch.autograd.grad(got, hidden)
+    off, _ = block_loss(hidden, labels, head, w, reach_weight=0.0)
+    torch.testing.assert_close(off, plain)
+    # position 1 keeps its gradient; block 2's later positions lose almost all of theirs
+    torch.testing.assert_close(g_got[:, :, 1], g_plain[:, :, 1])
+    assert g_got[0, 1, 2:].norm() < 1e-3 * g_plain[0, 1, 2:].norm()
+    assert g_got[0, 0, 2:].norm() > 0.1 * g_plain[0, 0, 2:].norm()
+    assert float(got) < float(plain)

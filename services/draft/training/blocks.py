@@ -126,10 +126,14 @@ def _logits(h: torch.Tensor, head: TargetHead) -> torch.Tensor:
 
 def block_loss(hidden: torch.Tensor, labels: torch.Tensor, head: TargetHead,
                weights: torch.Tensor, target_final: torch.Tensor | None = None,
-               soft_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+               soft_weight: float = 0.0, reach_weight: float = 0.0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [S, nb, B, H], labels [S, nb, B-1] -> (weighted loss, per-position accuracy
     [B-1]). The loss is CE against the labels, plus soft_weight x KL(target || draft) with the
     target's distributions from target_final [S, nb, B-1, H] (soft_targets), where labelled.
+    With reach_weight R > 0, position k's weight is also scaled by (1 - R) + R x reach_k
+    (reach_weights), normalised by the weights without it: training effort goes to the draft
+    positions the drafter would get to verify.
 
     Only labelled rows go through the LM head: with greedy-chain labels, most draft positions
     of sampled answers are off the chain (label -100, loss weight 0), and the [rows, V] logits
@@ -140,7 +144,8 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, head: TargetHead,
     h = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])[rows]
     logits = _logits(h, head)                           # [N, V]
     y = flat[rows]
-    loss_rows = F.cross_entropy(logits, y, reduction="none")
+    ce = F.cross_entropy(logits, y, reduction="none")
+    loss_rows = ce
     if target_final is not None and soft_weight > 0:
         with torch.no_grad():
             t_logp = F.log_softmax(
@@ -149,8 +154,26 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, head: TargetHead,
         loss_rows = loss_rows + soft_weight * kl
     k = rows % width                                    # each row's draft position - 1
     w = weights[k]
-    loss = (loss_rows * w).sum() / w.sum().clamp(min=1.0)
+    norm = w.sum().clamp(min=1.0)
+    if reach_weight > 0:
+        reach = reach_weights(ce, rows, flat.numel(), width)
+        w = w * ((1.0 - reach_weight) + reach_weight * reach)
+    loss = (loss_rows * w).sum() / norm
     correct = (logits.argmax(-1) == y).float()
     seen = torch.zeros(width, device=flat.device).index_add_(0, k, torch.ones_like(correct))
     acc = torch.zeros(width, device=flat.device).index_add_(0, k, correct) / seen.clamp(min=1.0)
     return loss, acc
+
+
+def reach_weights(ce_rows: torch.Tensor, rows: torch.Tensor, cells: int, width: int
+                  ) -> torch.Tensor:
+    """ce_rows [N] (the CE of labelled rows `rows`, indices into the [cells] = [S*nb*(B-1)]
+    grid of draft positions) -> [N]: for each row at position k, the drafter's own probability
+    of the labels at positions 1..k-1 of its block, prod exp(-CE) (1 at k = 1; unlabelled
+    positions count as 1). A draft at k is only verified, and so only useful, when those were
+    all accepted. No gradient flows through it."""
+    p = torch.ones(cells, device=ce_rows.device)
+    p[rows] = torch.exp(-ce_rows.detach().float())
+    grid = p.view(-1, width).cumprod(-1)                # [S*nb, B-1]: prod over 1..k
+    before = torch.cat([torch.ones_like(grid[:, :1]), grid[:, :-1]], dim=-1)
+    return before.reshape(-1)[rows]

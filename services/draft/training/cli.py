@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=float, default=3.0,
                    help="loss weight of draft position k: exp(-(k-1)/gamma) (DFlash's 7 was "
                         "measured worse for the shipped SmolLM2 drafter)")
+    p.add_argument("--reach-weight", type=float, default=0.0, metavar="R",
+                   help="also scale position k's loss weight by (1-R) + R x the drafter's own "
+                        "probability of the labels at positions 1..k-1 of its block, the chance "
+                        "it gets to verify k (0 = off, 1 = fully; R in [0, 1])")
     p.add_argument("--anchor-window", type=int, default=0, metavar="N",
                    help="anchors only in the first N tokens of each answer (0 = anywhere)")
     p.add_argument("--max-new-tokens", type=int, default=384)
@@ -228,11 +232,13 @@ def _set_job(args, name: str, prompts: list, greedy: list[Example], work: Path) 
 
 
 def argument_error(args) -> str:
-    """What is wrong with --intermediate-size, --self-prompts, --generation-processes or
-    --only-set, or ''."""
+    """What is wrong with --intermediate-size, --reach-weight, --self-prompts,
+    --generation-processes or --only-set, or ''."""
     if args.intermediate_size < 0:
         return (f"--intermediate-size {args.intermediate_size}: give the drafter's FFN width "
                 f"(> 0) or 0 for the target's")
+    if not 0.0 <= args.reach_weight <= 1.0:
+        return f"--reach-weight {args.reach_weight}: give a value in [0, 1] (0 = off)"
     if args.self_prompts < 0 or args.self_prompt_tokens < 1:
         return (f"--self-prompts {args.self_prompts} --self-prompt-tokens "
                 f"{args.self_prompt_tokens}: give a count >= 0 and a length >= 1")
@@ -289,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
                       mask_token_id=args.mask_token_id, steps=args.steps,
                       batch_sequences=args.batch_sequences,
                       blocks_per_sequence=args.blocks_per_sequence, lr=args.lr,
-                      gamma=args.gamma, anchor_window=args.anchor_window,
+                      gamma=args.gamma, reach_weight=args.reach_weight,
+                      anchor_window=args.anchor_window,
                       eval_sequences=min(args.eval_sequences, 64), seed=args.seed,
                       greedy_labels=args.labels == "greedy", eval_every=args.eval_every,
                       device=args.device,

@@ -74,7 +74,7 @@ def write_card(draft_dir: Path, summary: dict) -> None:
         f"- labels: {'the target greedy chain from each anchor' if cfg.get('greedy_labels', True) else 'the answer tokens'}",
         f"- recipe: random anchors in the answer{_window(cfg)}, block [anchor, MASK x "
         f"{cfg['block_size'] - 1}], "
-        f"CE on positions 1..B-1{_soft(cfg)} weighted exp(-(k-1)/{cfg['gamma']}); AdamW lr {cfg['lr']} "
+        f"CE on positions 1..B-1{_soft(cfg)} weighted exp(-(k-1)/{cfg['gamma']}){_reach(cfg)}; AdamW lr {cfg['lr']} "
         f"cosine, {cfg['steps']} steps x {cfg['batch_sequences']} sequences x "
         f"{cfg['blocks_per_sequence']} blocks, bf16 autocast, clip {cfg['grad_clip']}",
         f"- training time: {summary['train_seconds']} s",
@@ -107,6 +107,11 @@ def _self_written(summary: dict) -> str:
     n = summary.get("num_self_written", 0)
     return (f" and {n} requests the target wrote itself (`--self-prompts`, greedy answers)"
             if n else "")
+
+
+def _reach(cfg: dict) -> str:
+    r = cfg.get("reach_weight", 0.0)
+    return (f" x ({1 - r:g} + {r:g} x the drafter's probability of reaching k)" if r else "")
 
 
 def _soft(cfg: dict) -> str:

@@ -67,6 +67,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     gamma: float = 7.0
+    reach_weight: float = 0.0                  # in [0, 1]: scale position k by its reach (blocks.py)
     anchor_window: int = 0                     # > 0: anchors only in the first N answer tokens
     max_len: int = 768
     eval_every: int = 250
@@ -288,7 +289,8 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
             if target.final is not None else None
         with torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16):
             hidden = draft_hidden(draft, head, target.feats, bids, bpos)
-            loss, acc = block_loss(hidden, labels, head, weights, soft, cfg.soft_label_weight)
+            loss, acc = block_loss(hidden, labels, head, weights, soft, cfg.soft_label_weight,
+                                   cfg.reach_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
