@@ -18,12 +18,14 @@ RUNS = [  # label, training.json
      "bench/results/training/smollm2_drafter7_training.json"),
     ("eighth (seventh's recipe, 24k steps)",
      "bench/results/training/smollm2_drafter8_training.json"),
-    ("ninth (shipped, + 10 000 self-written prompts, 18k steps)",
+    ("ninth (+ 10 000 self-written prompts, 18k steps)",
+     "bench/results/training/smollm2_drafter9_training.json"),
+    ("twelfth (shipped, ninth's data, loss weighted by reach, gamma 7)",
      "models/smollm2-135m-instruct-dflash/training.json"),
 ]
 NOT_SHIPPED = [  # label, training.json, colour: dashed curves of runs not shipped
     ("eighth + 10 000 self-written prompts, 24k steps (stopped at 23k)",
-     "bench/results/training/smollm2_self_prompts_partial.json", "tab:cyan"),
+     "bench/results/training/smollm2_self_prompts_partial.json", "gold"),
     ("tenth: the ninth's recipe, 21k steps (level with the ninth, not shipped)",
      "bench/results/training/smollm2_drafter10_training.json", "black"),
     ("eleventh: the ninth's recipe, FFN 2048 wide (level with the ninth, not shipped)",

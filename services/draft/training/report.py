@@ -111,7 +111,10 @@ def _self_written(summary: dict) -> str:
 
 def _reach(cfg: dict) -> str:
     r = cfg.get("reach_weight", 0.0)
-    return (f" x ({1 - r:g} + {r:g} x the drafter's probability of reaching k)" if r else "")
+    reach = "the drafter's probability of reaching k"
+    if not r:
+        return ""
+    return f" x {reach}" if r == 1 else f" x ({1 - r:g} + {r:g} x {reach})"
 
 
 def _soft(cfg: dict) -> str:
