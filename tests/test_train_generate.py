@@ -8,8 +8,7 @@ import torch
 
 from runtime.models.dflash import TargetHead
 from runtime.tokenizer import ChatTokenizer
-from services.draft.training.blocks import (block_inputs, block_loss, reach_weights,
-                                             soft_targets)
+from services.draft.training.blocks import block_inputs, block_loss, reach_weights, soft_targets
 from services.draft.training.features import FeatureCache, FeatureExtractor
 from services.draft.training.generate import answer_wave, chat_prompt_ids
 from services.draft.training.target_runner import TargetRunner
