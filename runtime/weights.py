@@ -67,6 +67,15 @@ def load_weights(model: nn.Module, path: str | Path, strip_prefix: str = "model.
         model.to(dtype)
 
 
+def copy_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy HF-named tensors (names as in `model`, q/k/v and gate/up unfused) into `model`'s
+    parameters; parameters not named keep their values. Shapes must match."""
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {}
+    for name, tensor in tensors.items():
+        _copy_one(model, params, filled, name, name, tensor)
+
+
 def _expected_fills(name: str) -> int:
     if ".qkv_proj.weight" in name or ".qkv_proj.bias" in name:
         return 3

@@ -44,7 +44,7 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
            "--limit-prompts", "12", "--limit-eval", "3", "--eval-sequences", "3",
            "--concurrency", "16", "--seed", "1", "--sampled-temperature", "0.7",
            "--samples-per-prompt", "2", "--follow-ups", "2", "--soft-labels", "0.5",
-           "--reach-weight", "0.5"]
+           "--reach-weight", "0.5", "--init-from-target"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "training.json").read_text())
@@ -58,7 +58,8 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
     assert summary["num_train_prompts"] == 12 and summary["num_second_turns"] == 24
     assert "(24 of them to a second turn, " in (out / "README.md").read_text()
     assert summary["config"]["greedy_labels"] and summary["config"]["soft_label_weight"] == 0.5
-    assert summary["config"]["reach_weight"] == 0.5
+    assert summary["config"]["reach_weight"] == 0.5 and summary["config"]["init_from_target"]
+    assert "layers started from the target's last ones" in (out / "README.md").read_text()
     assert "x (0.5 + 0.5 x the drafter's probability of reaching k)" in (out / "README.md").read_text()
     assert {p.name for p in (tmp_path / "work").glob("train*.jsonl")} == {
         "train_t0.0.jsonl", "train_t0.7.jsonl", "train_t0.7_s1.jsonl",
@@ -131,6 +132,10 @@ def test_sets_made_in_parallel_or_one_at_a_time_equal_those_of_one_process(tiny_
     (("--self-prompts", "-1"), "--self-prompts -1 --self-prompt-tokens 96: give a count >= 0"),
     (("--intermediate-size", "-8"), "--intermediate-size -8: give the drafter's FFN width (> 0)"),
     (("--reach-weight", "1.5"), "--reach-weight 1.5: give a value in [0, 1] (0 = off)"),
+    (("--init-from-target", "--init-from", "other"),
+     "--init-from-target and --init-from: give one starting point"),
+    (("--init-from-target", "--intermediate-size", "24"),
+     "--init-from-target copies the target's FFN"),
 ])
 def test_bad_set_options_are_refused_before_generating(tiny_chat_target, tmp_path, flags,
                                                        message):

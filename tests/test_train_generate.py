@@ -218,3 +218,52 @@ def test_reach_weight_leaves_position_one_and_cuts_the_gradient_behind_a_hopeles
     assert g_got[0, 1, 2:].norm() < 1e-3 * g_plain[0, 1, 2:].norm()
     assert g_got[0, 0, 2:].norm() > 0.1 * g_plain[0, 0, 2:].norm()
     assert float(got.detach()) < float(plain.detach())
+
+
+def test_warm_start_copies_the_targets_last_layers_and_projects_the_deepest_tap(smollm2_dir,
+                                                                               prompts):
+    """--init-from-target: draft layers 0..2 are the target's layers 27..29, and the first draft
+    layer projects the context as target layer 27 projects its input, here tap 27's features."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.config import read_config_json
+    from runtime.models.dflash import DFlashConfig, DFlashDraftModel, init_random
+    from runtime.models.registry import build_empty
+    from services.draft.training.trainer import (
+        TrainConfig,
+        draft_config_dict,
+        init_from_target_layers,
+    )
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    taps = (1, 8, 14, 20, 27)
+
+    def draft_of(**kw) -> DFlashDraftModel:
+        cfg = TrainConfig(target_dir=str(smollm2_dir), out_dir="", num_layers=3,
+                          mask_token_id=16, **kw)
+        raw = draft_config_dict(cfg, read_config_json(smollm2_dir), taps)
+        draft = build_empty(DFlashDraftModel, DFlashConfig.from_dict(raw), "cpu", torch.float32)
+        init_random(draft, 0)
+        return draft
+
+    draft = draft_of()
+    assert init_from_target_layers(draft, str(smollm2_dir)) == [27, 28, 29]
+    for i, j in enumerate((27, 28, 29)):
+        mine, theirs = draft.layers[i], hf.model.layers[j]
+        assert torch.equal(mine.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight)
+        assert torch.equal(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
+        assert torch.equal(mine.post_attention_layernorm.weight,
+                           theirs.post_attention_layernorm.weight)
+    seq = torch.tensor([prompts[1]])
+    ext = FeatureExtractor(str(smollm2_dir), taps, 1024, torch.float32, "cpu")
+    feats = ext([prompts[1]]).feats[0]                                  # [T, 5 * 576]
+    with torch.no_grad():
+        deep = hf(seq, output_hidden_states=True).hidden_states[28][0]  # tap 27: layer 27 out
+        layer = hf.model.layers[27]
+        ctx = layer.input_layernorm(deep)
+        _, v = draft.context_kv(feats, torch.arange(len(seq[0])))[0]
+        projected = draft.project_context(feats)
+    torch.testing.assert_close(projected, ctx, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v.reshape(len(seq[0]), -1), layer.self_attn.v_proj(ctx),
+                               atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="FFN width 2048 differs from the target's"):
+        init_from_target_layers(draft_of(intermediate_size=2048), str(smollm2_dir))

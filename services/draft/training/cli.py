@@ -103,6 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "running the target on every batch")
     p.add_argument("--init-from", default="", metavar="DRAFTER",
                    help="start from this trained drafter's weights instead of random ones")
+    p.add_argument("--init-from-target", action="store_true",
+                   help="start the drafter's layers from the target's last ones (attention, MLP, "
+                        "norms) and its context projection from the deepest tap alone; needs "
+                        "the target's FFN width")
     p.add_argument("--checkpoint", default="",
                    help="resume from / save to this file (default: WORK/checkpoint.pt)")
     p.add_argument("--stop-after", type=float, default=0.0, metavar="SECONDS",
@@ -232,11 +236,13 @@ def _set_job(args, name: str, prompts: list, greedy: list[Example], work: Path) 
 
 
 def argument_error(args) -> str:
-    """What is wrong with --intermediate-size, --reach-weight, --self-prompts,
+    """What is wrong with --init-from-target, --intermediate-size, --reach-weight, --self-prompts,
     --generation-processes or --only-set, or ''."""
     if args.intermediate_size < 0:
         return (f"--intermediate-size {args.intermediate_size}: give the drafter's FFN width "
                 f"(> 0) or 0 for the target's")
+    if args.init_from_target and args.init_from:
+        return "--init-from-target and --init-from: give one starting point"
     if not 0.0 <= args.reach_weight <= 1.0:
         return f"--reach-weight {args.reach_weight}: give a value in [0, 1] (0 = off)"
     if args.self_prompts < 0 or args.self_prompt_tokens < 1:
@@ -302,13 +308,20 @@ def run(args: argparse.Namespace) -> int:
                       device=args.device,
                       checkpoint=args.checkpoint or str(work / "checkpoint.pt"),
                       stop_after_seconds=args.stop_after, cache_features=args.cache_features,
-                      init_from=args.init_from, soft_label_weight=args.soft_labels,
+                      init_from=args.init_from, init_from_target=args.init_from_target,
+                      soft_label_weight=args.soft_labels,
                       feature_backend=attention_backend(args))
     if err := argument_error(args):
         print(f"train-draft: {err}", file=sys.stderr)
         return 2
+    target_raw = read_config_json(args.target)
+    width = int(target_raw["intermediate_size"])
+    if args.init_from_target and args.intermediate_size not in (0, width):
+        print(f"train-draft: --init-from-target copies the target's FFN ({width} wide): leave "
+              f"--intermediate-size at 0 or {width}", file=sys.stderr)
+        return 2
     try:
-        tapped_layers(cfg, int(read_config_json(args.target)["num_hidden_layers"]))
+        tapped_layers(cfg, int(target_raw["num_hidden_layers"]))
     except ValueError as e:
         print(f"train-draft: {e}", file=sys.stderr)
         return 2

@@ -72,7 +72,7 @@ def write_card(draft_dir: Path, summary: dict) -> None:
         f"{_self_written(summary)} ({_second_turns(summary)}answers per temperature: "
         f"{summary.get('answers_by_temperature', {})})",
         f"- labels: {'the target greedy chain from each anchor' if cfg.get('greedy_labels', True) else 'the answer tokens'}",
-        f"- recipe: random anchors in the answer{_window(cfg)}, block [anchor, MASK x "
+        f"- recipe: {_start(cfg)}random anchors in the answer{_window(cfg)}, block [anchor, MASK x "
         f"{cfg['block_size'] - 1}], "
         f"CE on positions 1..B-1{_soft(cfg)} weighted exp(-(k-1)/{cfg['gamma']}){_reach(cfg)}; AdamW lr {cfg['lr']} "
         f"cosine, {cfg['steps']} steps x {cfg['batch_sequences']} sequences x "
@@ -90,6 +90,12 @@ def write_card(draft_dir: Path, summary: dict) -> None:
         lines.append(f"| {split} | {r['tau']} | {cats} |")
     (Path(draft_dir) / "README.md").write_text("\n".join(lines) + "\n")
     (Path(draft_dir) / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
+
+
+def _start(cfg: dict) -> str:
+    if cfg.get("init_from_target"):
+        return "layers started from the target's last ones (`--init-from-target`), "
+    return f"started from `{cfg['init_from']}`, " if cfg.get("init_from") else ""
 
 
 def _window(cfg: dict) -> str:

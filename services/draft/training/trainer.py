@@ -30,7 +30,7 @@ from runtime.models.dflash import (
     save_dflash,
 )
 from runtime.models.registry import build_empty
-from runtime.weights import read_tensors
+from runtime.weights import copy_tensors, read_tensors
 from services.draft.training.acceptance import AcceptanceStats, simulate
 from services.draft.training.blocks import (
     block_inputs,
@@ -77,6 +77,7 @@ class TrainConfig:
     soft_label_weight: float = 0.0             # > 0: + this x KL(target || draft) (blocks.py)
     cache_features: bool = False               # compute all features once, keep them on device
     init_from: str = ""                        # start from this drafter's weights (same shape)
+    init_from_target: bool = False             # start the layers from the target's last ones
     checkpoint: str = ""                       # resume from / save to this file ("" = none)
     stop_after_seconds: float = 0.0            # > 0: save the checkpoint and stop after this
     device: str = "cuda"
@@ -174,6 +175,44 @@ def init_from_drafter(draft: DFlashDraftModel, path: str) -> None:
     log.info("starting from the weights of %s", path)
 
 
+# a decoder layer's tensors, HF names below "layers.N."; copied from the target by the warm start
+_LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                  "mlp.down_proj.weight", "input_layernorm.weight",
+                  "post_attention_layernorm.weight")
+
+
+@torch.no_grad()
+def init_from_target_layers(draft: DFlashDraftModel, target_dir: str) -> list[int]:
+    """Warm start: draft layer i <- target layer T-L+i (attention, MLP and their norms; the draft's
+    q_norm / k_norm stay unit), fc <- the last tap alone (identity on its slice, zero elsewhere)
+    and hidden_norm <- the first copied layer's input norm, so the first draft layer starts by
+    projecting the context as the target's layer T-L does from the deepest tapped features.
+    The draft's final norm is left as init_output_norm set it. Returns the target layers used.
+    ValueError when the draft's FFN width differs from the target's."""
+    cfg = draft.cfg
+    num_target = int(read_config_json(target_dir)["num_hidden_layers"])
+    source = list(range(num_target - cfg.num_layers, num_target))
+    names = {f"model.layers.{j}.{t}" for j in source for t in _LAYER_TENSORS}
+    found = read_tensors(target_dir, names)
+    if len(found) != len(names):
+        raise ValueError(f"target {target_dir} lacks layer tensors: "
+                         f"{sorted(names - set(found))[:4]}")
+    if found[f"model.layers.{source[0]}.mlp.down_proj.weight"].shape[1] != \
+            cfg.base.intermediate_size:
+        raise ValueError(f"--init-from-target: the drafter's FFN width "
+                         f"{cfg.base.intermediate_size} differs from the target's")
+    dtype = draft.fc.weight.dtype
+    copy_tensors(draft, {f"layers.{i}.{t}": found[f"model.layers.{j}.{t}"].to(dtype)
+                         for i, j in enumerate(source) for t in _LAYER_TENSORS})
+    hidden = cfg.hidden_size
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, -hidden:].copy_(torch.eye(hidden, dtype=dtype))
+    draft.hidden_norm.weight.copy_(found[f"model.layers.{source[0]}.input_layernorm.weight"])
+    log.info("draft layers start from the target's layers %s", source)
+    return source
+
+
 def batch_lengths(batch: list[Example], max_len: int) -> tuple[list[int], list[int]]:
     """Prompt lengths (at most len-2, so every sequence has an anchor with a label) and lengths
     of the sequences cut at max_len."""
@@ -253,6 +292,8 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
     draft = build_empty(DFlashDraftModel, dcfg, cfg.device, torch.float32)
     init_random(draft, cfg.seed)
     init_output_norm(draft, cfg.target_dir)
+    if cfg.init_from_target:
+        init_from_target_layers(draft, cfg.target_dir)
     if cfg.init_from:
         init_from_drafter(draft, cfg.init_from)
     draft.train()
