@@ -30,6 +30,8 @@ NOT_SHIPPED = [  # label, training.json, colour: dashed curves of runs not shipp
      "bench/results/training/smollm2_drafter10_training.json", "black"),
     ("eleventh: the ninth's recipe, FFN 2048 wide (level with the ninth, not shipped)",
      "bench/results/training/smollm2_drafter11_training.json", "tab:olive"),
+    ("thirteenth: the twelfth's command, layers started from the target's (behind, not shipped)",
+     "bench/results/training/smollm2_drafter13_training.json", "tab:brown"),
 ]
 CONTINUED_FROM = "third"
 CONTINUED = "bench/results/training/smollm2_continued_training.json"
