@@ -249,6 +249,11 @@ def test_warm_start_copies_the_targets_last_layers_and_projects_the_deepest_tap(
     assert init_from_target_layers(draft, str(smollm2_dir)) == [27, 28, 29]
     for i, j in enumerate((27, 28, 29)):
         mine, theirs = draft.layers[i], hf.model.layers[j]
+        attn, mlp = theirs.self_attn, theirs.mlp
+        assert torch.equal(mine.self_attn.qkv_proj.weight, torch.cat(
+            [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+        assert torch.equal(mine.mlp.gate_up_proj.weight,
+                           torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
         assert torch.equal(mine.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight)
         assert torch.equal(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
         assert torch.equal(mine.post_attention_layernorm.weight,

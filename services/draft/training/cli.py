@@ -290,7 +290,12 @@ def run(args: argparse.Namespace) -> int:
     from services.common.logs import setup_logging
     from services.draft.training.prompts import load_prompts
     from services.draft.training.report import evaluate_splits, write_card
-    from services.draft.training.trainer import TrainConfig, tapped_layers, train
+    from services.draft.training.trainer import (
+        TrainConfig,
+        tapped_layers,
+        train,
+        warm_start_problem,
+    )
     setup_logging("INFO", "train-draft")
     out = Path(args.out)
     work = Path(args.work) if args.work else out.parent / "work"
@@ -315,10 +320,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"train-draft: {err}", file=sys.stderr)
         return 2
     target_raw = read_config_json(args.target)
-    width = int(target_raw["intermediate_size"])
-    if args.init_from_target and args.intermediate_size not in (0, width):
-        print(f"train-draft: --init-from-target copies the target's FFN ({width} wide): leave "
-              f"--intermediate-size at 0 or {width}", file=sys.stderr)
+    if args.init_from_target and (err := warm_start_problem(args.intermediate_size, target_raw)):
+        print(f"train-draft: {err}", file=sys.stderr)
         return 2
     try:
         tapped_layers(cfg, int(target_raw["num_hidden_layers"]))

@@ -182,6 +182,17 @@ _LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_at
                   "post_attention_layernorm.weight")
 
 
+def warm_start_problem(intermediate_size: int, target_raw: dict) -> str:
+    """Why --init-from-target cannot start a drafter of this FFN width (0 = the target's) from
+    the target whose config.json is target_raw, or ''."""
+    width = int(target_raw["intermediate_size"])
+    if intermediate_size in (0, width):
+        return ""
+    return (f"--init-from-target copies the target's FFN ({width} wide): the drafter's FFN width "
+            f"{intermediate_size} differs from the target's; leave --intermediate-size at 0 or "
+            f"{width}")
+
+
 @torch.no_grad()
 def init_from_target_layers(draft: DFlashDraftModel, target_dir: str) -> list[int]:
     """Warm start: draft layer i <- target layer T-L+i (attention, MLP and their norms; the draft's
@@ -189,19 +200,18 @@ def init_from_target_layers(draft: DFlashDraftModel, target_dir: str) -> list[in
     and hidden_norm <- the first copied layer's input norm, so the first draft layer starts by
     projecting the context as the target's layer T-L does from the deepest tapped features.
     The draft's final norm is left as init_output_norm set it. Returns the target layers used.
-    ValueError when the draft's FFN width differs from the target's."""
+    ValueError when the draft's FFN width differs from the target's (warm_start_problem)."""
     cfg = draft.cfg
-    num_target = int(read_config_json(target_dir)["num_hidden_layers"])
+    target_raw = read_config_json(target_dir)
+    if problem := warm_start_problem(cfg.base.intermediate_size, target_raw):
+        raise ValueError(problem)
+    num_target = int(target_raw["num_hidden_layers"])
     source = list(range(num_target - cfg.num_layers, num_target))
     names = {f"model.layers.{j}.{t}" for j in source for t in _LAYER_TENSORS}
     found = read_tensors(target_dir, names)
     if len(found) != len(names):
         raise ValueError(f"target {target_dir} lacks layer tensors: "
                          f"{sorted(names - set(found))[:4]}")
-    if found[f"model.layers.{source[0]}.mlp.down_proj.weight"].shape[1] != \
-            cfg.base.intermediate_size:
-        raise ValueError(f"--init-from-target: the drafter's FFN width "
-                         f"{cfg.base.intermediate_size} differs from the target's")
     dtype = draft.fc.weight.dtype
     copy_tensors(draft, {f"layers.{i}.{t}": found[f"model.layers.{j}.{t}"].to(dtype)
                          for i, j in enumerate(source) for t in _LAYER_TENSORS})
