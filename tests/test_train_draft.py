@@ -44,7 +44,7 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
            "--limit-prompts", "12", "--limit-eval", "3", "--eval-sequences", "3",
            "--concurrency", "16", "--seed", "1", "--sampled-temperature", "0.7",
            "--samples-per-prompt", "2", "--follow-ups", "2", "--soft-labels", "0.5",
-           "--reach-weight", "0.5", "--init-from-target"]
+           "--reach-weight", "0.5", "--init-from-target", "--loop-hops", "2"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "training.json").read_text())
@@ -60,6 +60,8 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
     assert summary["config"]["greedy_labels"] and summary["config"]["soft_label_weight"] == 0.5
     assert summary["config"]["reach_weight"] == 0.5 and summary["config"]["init_from_target"]
     assert "layers started from the target's last ones" in (out / "README.md").read_text()
+    assert summary["config"]["loop_hops"] == 2
+    assert "moved 2 steps along the drafter's own speculative loop" in (out / "README.md").read_text()
     assert "x (0.5 + 0.5 x the drafter's probability of reaching k)" in (out / "README.md").read_text()
     assert {p.name for p in (tmp_path / "work").glob("train*.jsonl")} == {
         "train_t0.0.jsonl", "train_t0.7.jsonl", "train_t0.7_s1.jsonl",
@@ -132,6 +134,7 @@ def test_sets_made_in_parallel_or_one_at_a_time_equal_those_of_one_process(tiny_
     (("--self-prompts", "-1"), "--self-prompts -1 --self-prompt-tokens 96: give a count >= 0"),
     (("--intermediate-size", "-8"), "--intermediate-size -8: give the drafter's FFN width (> 0)"),
     (("--reach-weight", "1.5"), "--reach-weight 1.5: give a value in [0, 1] (0 = off)"),
+    (("--loop-hops", "-1"), "--loop-hops -1: give a count of hops >= 0 (0 = off)"),
     (("--init-from-target", "--init-from", "other"),
      "--init-from-target and --init-from: give one starting point"),
     (("--init-from-target", "--intermediate-size", "24"),

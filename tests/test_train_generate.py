@@ -3,16 +3,28 @@ target's greedy output (against transformers) and samples the target's distribut
 come with the target's greedy next token; labels follow the target's greedy chain."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from runtime.models.dflash import TargetHead
+from runtime.models.dflash import TargetHead, load_dflash
 from runtime.tokenizer import ChatTokenizer
-from services.draft.training.blocks import block_inputs, block_loss, reach_weights, soft_targets
+from services.draft.training.acceptance import simulate_each
+from services.draft.training.blocks import (
+    accepted_drafts,
+    block_inputs,
+    block_loss,
+    draft_hidden,
+    hop_anchors,
+    reach_weights,
+    soft_targets,
+)
 from services.draft.training.features import FeatureCache, FeatureExtractor
 from services.draft.training.generate import answer_wave, chat_prompt_ids
 from services.draft.training.target_runner import TargetRunner
 
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
 PROMPTS = ["Hi", "Explain why the sky is blue in two sentences please.", "List 3 fruits.",
            "What is 2+2? Answer with a number only."]
 
@@ -272,3 +284,36 @@ def test_warm_start_copies_the_targets_last_layers_and_projects_the_deepest_tap(
                                atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="FFN width 2048 differs from the target's"):
         init_from_target_layers(draft_of(intermediate_size=2048), str(smollm2_dir))
+
+
+def test_hop_anchors_are_where_the_speculative_loop_of_the_shipped_drafter_goes(runner, prompts,
+                                                                                 smollm2_dir):
+    # the target's greedy answer, its features, the shipped drafter: the loop run one block at a
+    # time (checked against simulate_each) visits the anchors that hop_anchors reaches in 1..4
+    answer = answer_wave(runner, prompts[1:2], 0.0, 64, seed=0)[0]
+    seq = prompts[1] + answer
+    draft = load_dflash(SHIPPED, torch.float32, "cpu")
+    head = TargetHead.load(str(smollm2_dir), torch.float32, "cpu")
+    ext = FeatureExtractor(str(smollm2_dir), draft.cfg.target_layer_ids, 1024, torch.float32,
+                           "cpu")
+    feats = ext([seq], greedy=False).feats
+    ids, lens = torch.tensor([seq]), torch.tensor([len(seq)])
+    block, mask = draft.cfg.block_size, draft.cfg.mask_token_id
+    loop, p, committed = [len(prompts[1])], len(prompts[1]), 0
+    with torch.no_grad():
+        while p < len(seq) - 1:
+            bids, bpos, labels = block_inputs(ids, torch.tensor([[p]]), block, mask, lens)
+            a = int(accepted_drafts(draft_hidden(draft, head, feats, bids, bpos), labels, head))
+            step = min(a + 1, len(seq) - 1 - p)
+            p, committed = p + step, committed + step
+            loop.append(p)
+    (st,) = simulate_each(draft, head, feats, ids, torch.tensor([len(prompts[1])]), lens, block)
+    assert (st.steps, st.tokens) == (len(loop) - 1, committed)
+    assert max(b - a for a, b in zip(loop, loop[1:])) > 1           # the drafter is accepted
+    start = torch.tensor([[loop[0], loop[0], loop[1]]])
+    for hops in range(1, 5):
+        got = hop_anchors(draft, head, feats, ids, start, lens, block, mask, hops)
+        assert got.tolist() == [[loop[hops], loop[hops], loop[hops + 1]]]
+    # an anchor with a label left (length - 2) does not hop past it
+    end = torch.tensor([[len(seq) - 2]])
+    assert hop_anchors(draft, head, feats, ids, end, lens, block, mask, 3).tolist() == [[len(seq) - 2]]

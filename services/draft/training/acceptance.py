@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.models.dflash import DFlashDraftModel, TargetHead
-from services.draft.training.blocks import block_inputs, draft_hidden
+from services.draft.training.blocks import accepted_drafts, block_inputs, draft_hidden
 
 
 @dataclass
@@ -55,11 +55,7 @@ def simulate_each(draft: DFlashDraftModel, head: TargetHead, feats: torch.Tensor
     while bool(active.any()):
         anchors = torch.where(active, pos, torch.zeros_like(pos))[:, None]
         bids, bpos, labels = block_inputs(ids, anchors, block, draft.cfg.mask_token_id, lengths)
-        hidden = draft_hidden(draft, head, feats, bids, bpos)[:, 0, 1:]      # [S, B-1, H]
-        drafts = head.greedy(hidden.reshape(-1, hidden.shape[-1])).view(s, block - 1)
-        lab = labels[:, 0]
-        match = (drafts == lab) & (lab >= 0)
-        a = match.int().cumprod(-1).sum(-1)        # accepted drafts
+        a = accepted_drafts(draft_hidden(draft, head, feats, bids, bpos), labels, head)[:, 0]
         remaining = lengths - 1 - pos              # tokens after the anchor that exist
         committed = torch.minimum(a + 1, remaining)
         for i in torch.nonzero(active).flatten().tolist():

@@ -100,6 +100,33 @@ def draft_hidden(draft: DFlashDraftModel, head: TargetHead, feats: torch.Tensor,
     return draft.norm(x).view(s, nb, b, -1)
 
 
+def accepted_drafts(hidden: torch.Tensor, labels: torch.Tensor, head: TargetHead) -> torch.Tensor:
+    """hidden [S, nb, B, H] (draft_hidden), labels [S, nb, B-1] -> int [S, nb]: how many of each
+    block's greedy drafts the target accepts - the leading drafts equal to their labels (an
+    unlabelled position, -100, ends the run)."""
+    h = hidden[:, :, 1:]
+    drafts = head.greedy(h.reshape(-1, h.shape[-1])).view(labels.shape)
+    return ((drafts == labels) & (labels >= 0)).int().cumprod(-1).sum(-1)
+
+
+@torch.no_grad()
+def hop_anchors(draft: DFlashDraftModel, head: TargetHead, feats: torch.Tensor, ids: torch.Tensor,
+                anchors: torch.Tensor, lengths: torch.Tensor, block: int, mask_id: int,
+                hops: int, greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """anchors [S, nb] -> [S, nb]: where the speculative loop puts its next block after `hops`
+    blocks drafted from each anchor (p -> p + accepted + 1, the position of the target's bonus
+    token). The loop's anchors follow the drafter's rejections, so they sit where drafting is
+    hard; uniform anchors also land inside runs the drafter would have accepted, which the loop
+    skips. A hop that would pass the last anchor with a label (length - 2) stays put."""
+    last = lengths[:, None] - 2
+    for _ in range(hops):
+        bids, bpos, labels = block_inputs(ids, anchors, block, mask_id, lengths, greedy)
+        accepted = accepted_drafts(draft_hidden(draft, head, feats, bids, bpos), labels, head)
+        nxt = anchors + accepted + 1
+        anchors = torch.where(nxt <= last, nxt, anchors)
+    return anchors
+
+
 def position_weights(block: int, gamma: float, device) -> torch.Tensor:
     """[B-1]: exp(-(k-1)/gamma) for draft positions k = 1..B-1 (early positions matter most:
     a draft is only useful while every earlier one was accepted)."""

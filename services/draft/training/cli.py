@@ -61,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it gets to verify k (0 = off, 1 = fully; R in [0, 1])")
     p.add_argument("--anchor-window", type=int, default=0, metavar="N",
                    help="anchors only in the first N tokens of each answer (0 = anywhere)")
+    p.add_argument("--loop-hops", type=int, default=0, metavar="N",
+                   help="move each random anchor N steps of the drafter's own speculative loop "
+                        "(anchor + accepted drafts + 1, one no-grad block forward per hop), so "
+                        "training blocks start where the loop starts them (0 = off)")
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--sampled-temperature", type=float, default=0.7,
                    help="more answers per prompt sampled at this temperature (0 = greedy only)")
@@ -236,8 +240,8 @@ def _set_job(args, name: str, prompts: list, greedy: list[Example], work: Path) 
 
 
 def argument_error(args) -> str:
-    """What is wrong with --init-from-target, --intermediate-size, --reach-weight, --self-prompts,
-    --generation-processes or --only-set, or ''."""
+    """What is wrong with --init-from-target, --intermediate-size, --reach-weight, --loop-hops,
+    --self-prompts, --generation-processes or --only-set, or ''."""
     if args.intermediate_size < 0:
         return (f"--intermediate-size {args.intermediate_size}: give the drafter's FFN width "
                 f"(> 0) or 0 for the target's")
@@ -245,6 +249,8 @@ def argument_error(args) -> str:
         return "--init-from-target and --init-from: give one starting point"
     if not 0.0 <= args.reach_weight <= 1.0:
         return f"--reach-weight {args.reach_weight}: give a value in [0, 1] (0 = off)"
+    if args.loop_hops < 0:
+        return f"--loop-hops {args.loop_hops}: give a count of hops >= 0 (0 = off)"
     if args.self_prompts < 0 or args.self_prompt_tokens < 1:
         return (f"--self-prompts {args.self_prompts} --self-prompt-tokens "
                 f"{args.self_prompt_tokens}: give a count >= 0 and a length >= 1")
@@ -307,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
                       batch_sequences=args.batch_sequences,
                       blocks_per_sequence=args.blocks_per_sequence, lr=args.lr,
                       gamma=args.gamma, reach_weight=args.reach_weight,
-                      anchor_window=args.anchor_window,
+                      anchor_window=args.anchor_window, loop_hops=args.loop_hops,
                       eval_sequences=min(args.eval_sequences, 64), seed=args.seed,
                       greedy_labels=args.labels == "greedy", eval_every=args.eval_every,
                       device=args.device,

@@ -72,7 +72,7 @@ def write_card(draft_dir: Path, summary: dict) -> None:
         f"{_self_written(summary)} ({_second_turns(summary)}answers per temperature: "
         f"{summary.get('answers_by_temperature', {})})",
         f"- labels: {'the target greedy chain from each anchor' if cfg.get('greedy_labels', True) else 'the answer tokens'}",
-        f"- recipe: {_start(cfg)}random anchors in the answer{_window(cfg)}, block [anchor, MASK x "
+        f"- recipe: {_start(cfg)}random anchors in the answer{_window(cfg)}{_hops(cfg)}, block [anchor, MASK x "
         f"{cfg['block_size'] - 1}], "
         f"CE on positions 1..B-1{_soft(cfg)} weighted exp(-(k-1)/{cfg['gamma']}){_reach(cfg)}; AdamW lr {cfg['lr']} "
         f"cosine, {cfg['steps']} steps x {cfg['batch_sequences']} sequences x "
@@ -101,6 +101,12 @@ def _start(cfg: dict) -> str:
 def _window(cfg: dict) -> str:
     window = cfg.get("anchor_window", 0)
     return f" (its first {window} tokens)" if window else ""
+
+
+def _hops(cfg: dict) -> str:
+    hops = cfg.get("loop_hops", 0)
+    return (f" moved {hops} step{'s' if hops > 1 else ''} along the drafter's own speculative "
+            "loop (`--loop-hops`)") if hops else ""
 
 
 def _second_turns(summary: dict) -> str:

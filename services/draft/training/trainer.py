@@ -36,6 +36,7 @@ from services.draft.training.blocks import (
     block_inputs,
     block_loss,
     draft_hidden,
+    hop_anchors,
     position_weights,
     soft_targets,
 )
@@ -69,6 +70,8 @@ class TrainConfig:
     gamma: float = 7.0
     reach_weight: float = 0.0                  # in [0, 1]: scale position k by its reach (blocks.py)
     anchor_window: int = 0                     # > 0: anchors only in the first N answer tokens
+    loop_hops: int = 0                         # > 0: move each anchor this many speculative-loop
+                                               # steps of the drafter itself (blocks.hop_anchors)
     max_len: int = 768
     eval_every: int = 250
     eval_sequences: int = 64
@@ -333,9 +336,14 @@ def train(cfg: TrainConfig, train_examples: list[Example], eval_examples: list[E
         target = cache(picked) if cache else \
             extractor([e.ids[: cfg.max_len] for e in batch], greedy=cfg.greedy_labels,
                       final=cfg.soft_label_weight > 0)
+        chain = target.greedy if cfg.greedy_labels else None
         anchors = batcher.anchors(batch, cfg.device)
+        with torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16):
+            if cfg.loop_hops:
+                anchors = hop_anchors(draft, head, target.feats, ids, anchors, lens,
+                                      cfg.block_size, cfg.mask_token_id, cfg.loop_hops, chain)
         bids, bpos, labels = block_inputs(ids, anchors, cfg.block_size, cfg.mask_token_id, lens,
-                                          target.greedy if cfg.greedy_labels else None)
+                                          chain)
         soft = soft_targets(target.final, anchors, cfg.block_size) \
             if target.final is not None else None
         with torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16):
