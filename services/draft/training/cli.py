@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loop-hops", type=int, default=0, metavar="N",
                    help="move each random anchor N steps of the drafter's own speculative loop "
                         "(anchor + accepted drafts + 1, one no-grad block forward per hop), so "
-                        "training blocks start where the loop starts them (0 = off)")
+                        "training blocks start where the loop starts them (0 = off; 1 was "
+                        "measured behind uniform anchors, docs/benchmarks.md)")
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--sampled-temperature", type=float, default=0.7,
                    help="more answers per prompt sampled at this temperature (0 = greedy only)")

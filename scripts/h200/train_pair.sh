@@ -1,0 +1,43 @@
+# On one H200, after `source scripts/h200/env.sh` and scripts/h200/assemble_smollm2.sh: an A/B of
+# one train-draft flag on a short recipe, both runs at once on the one GPU (each with its own
+# feature cache), sharing one set of answers. Work files in out/ (kept while the machine is warm).
+#   bash scripts/h200/train_pair.sh start STEPS "FLAGS_A" "FLAGS_B"   answers, then both runs (bg)
+#   bash scripts/h200/train_pair.sh watch [SECONDS]   follow; when both are done, results to $OUT
+set -u
+PHASE=$1; shift
+T=${TARGET:-$DFLASH_HOME/models/smollm2-135m-instruct/bfloat16}
+W=out/work
+mkdir -p "$W" "$OUT"
+export DFLASH_TORCH_LAYER_OPS=1
+COMMON=(--target "$T" --work "$W" --device cuda --mask-token-id 16 --sampled-temperature 0.7
+        --concurrency 1024 --max-new-tokens 384 --samples-per-prompt ${SAMPLES:-2}
+        --follow-ups ${FOLLOW_UPS:-0} --layers 3 --taps 5 --lr 1e-3 --batch-sequences 32
+        --blocks-per-sequence 32 --eval-sequences 128 --cache-features)
+case $PHASE in
+start)
+  STEPS=$1
+  [ -f "$W/train_t0.0.jsonl" ] || tar xzf data/train-answers/smollm2-answers-greedy.tgz -C out
+  python3 -m dflash.cli train-draft "${COMMON[@]}" --out out/unused --generate-only 2>&1 \
+    | grep -E "tokens in|Error|error"
+  for v in a b; do
+    if [ $v = a ]; then FLAGS=$2; else FLAGS=$3; fi
+    echo "$FLAGS" > out/flags_$v
+    setsid nohup python3 -m dflash.cli train-draft "${COMMON[@]}" --out out/drafter_$v \
+      --steps "$STEPS" --eval-every $(( STEPS / 3 )) $FLAGS > out/train_$v.log 2>&1 < /dev/null &
+  done
+  sleep 60
+  for v in a b; do tr '\r' '\n' < out/train_$v.log | grep -vE "^\[#*\.*\]" | tail -2
+    tr '\r' '\n' < out/train_$v.log | grep -E "^\[#*\.*\]" | tail -1; done ;;
+watch)
+  end=$(( $(date +%s) + ${1:-540} ))
+  while pgrep -f "train-draft" > /dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  for v in a b; do
+    echo "== $v: $(cat out/flags_$v)"
+    tr '\r' '\n' < out/train_$v.log | grep -vE "^\[#*\.*\]" | grep -E "tau|stopped|Error|error" | tail -6
+    tr '\r' '\n' < out/train_$v.log | grep -E "^\[#*\.*\]" | tail -1
+    if [ -f out/drafter_$v/training.json ]; then
+      mkdir -p "$OUT/drafter_$v"; cp out/drafter_$v/*.json out/drafter_$v/README.md "$OUT/drafter_$v/"
+      split -b 12M out/drafter_$v/model.safetensors "$OUT/drafter_$v/model.safetensors.part."
+    fi
+  done ;;
+esac
