@@ -3,6 +3,7 @@ target's greedy output (against transformers) and samples the target's distribut
 come with the target's greedy next token; labels follow the target's greedy chain."""
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -309,11 +310,17 @@ def test_hop_anchors_are_where_the_speculative_loop_of_the_shipped_drafter_goes(
             loop.append(p)
     (st,) = simulate_each(draft, head, feats, ids, torch.tensor([len(prompts[1])]), lens, block)
     assert (st.steps, st.tokens) == (len(loop) - 1, committed)
-    assert max(b - a for a, b in zip(loop, loop[1:])) > 1           # the drafter is accepted
+    assert max(b - a for a, b in pairwise(loop)) > 1       # the drafter is accepted
     start = torch.tensor([[loop[0], loop[0], loop[1]]])
     for hops in range(1, 5):
         got = hop_anchors(draft, head, feats, ids, start, lens, block, mask, hops)
         assert got.tolist() == [[loop[hops], loop[hops], loop[hops + 1]]]
+    # bench.anchor_positions drafts at every position and replays the loop from a(p): the same
+    from bench.anchor_positions import accepted_everywhere, hop, loop_offsets
+    from services.draft.training.generate import Example
+    acc = accepted_everywhere(draft, head, ext, Example("p", "c", prompts[1], answer, 0.0))
+    assert [len(prompts[1]) + o for o in loop_offsets(acc)] == loop[:-1]
+    assert len(prompts[1]) + hop(acc, 0, 3) == loop[3] and hop(acc, len(acc) - 1, 1) is None
     # an anchor with a label left (length - 2) does not hop past it
     end = torch.tensor([[len(seq) - 2]])
     assert hop_anchors(draft, head, feats, ids, end, lens, block, mask, 3).tolist() == [[len(seq) - 2]]

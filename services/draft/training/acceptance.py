@@ -25,7 +25,7 @@ class AcceptanceStats:
     def tau(self) -> float:
         return self.tokens / max(1, self.steps)
 
-    def merge(self, other: "AcceptanceStats") -> None:
+    def merge(self, other: AcceptanceStats) -> None:
         self.steps += other.steps
         self.tokens += other.tokens
         if other.per_position is not None:
