@@ -41,22 +41,23 @@ def accepted_everywhere(draft, head, extractor, example: Example) -> list[int]:
                                head)[0].tolist()
 
 
-def loop_offsets(accepted: list[int]) -> list[int]:
-    """The answer offsets the greedy speculative loop drafts from, starting at 0."""
-    out, p = [], 0
-    while p < len(accepted):
-        out.append(p)
-        p += accepted[p] + 1
-    return out
-
-
 def hop(accepted: list[int], p: int, hops: int) -> int | None:
-    """p after `hops` loop steps, or None past the last anchor."""
+    """p after `hops` loop steps (p -> p + a(p) + 1), or None past the last anchor."""
     for _ in range(hops):
         p += accepted[p] + 1
         if p >= len(accepted):
             return None
     return p
+
+
+def loop_offsets(accepted: list[int]) -> list[int]:
+    """The answer offsets the greedy speculative loop drafts from, starting at 0."""
+    out: list[int] = []
+    p: int | None = 0
+    while p is not None:
+        out.append(p)
+        p = hop(accepted, p, 1)
+    return out
 
 
 def summary(values: list[int]) -> dict:

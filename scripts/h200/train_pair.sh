@@ -35,9 +35,15 @@ watch)
     echo "== $v: $(cat out/flags_$v)"
     tr '\r' '\n' < out/train_$v.log | grep -vE "^\[#*\.*\]" | grep -E "tau|stopped|Error|error" | tail -6
     tr '\r' '\n' < out/train_$v.log | grep -E "^\[#*\.*\]" | tail -1
-    if [ -f out/drafter_$v/training.json ]; then
-      mkdir -p "$OUT/drafter_$v"; cp out/drafter_$v/*.json out/drafter_$v/README.md "$OUT/drafter_$v/"
-      split -b 12M out/drafter_$v/model.safetensors "$OUT/drafter_$v/model.safetensors.part."
-    fi
+  done
+  # a call returns at most 8 files of at most 16 MiB: both runs' JSON and cards in one archive,
+  # each model in two parts (5 files)
+  done_runs=$(ls -d out/drafter_[ab] 2>/dev/null | while read -r d; do
+    [ -f "$d/training.json" ] && basename "$d"; done)
+  [ -n "$done_runs" ] || exit 0
+  (cd out && tar czf "$OUT/results.tgz" flags_a flags_b train_a.log train_b.log \
+    $(for d in $done_runs; do echo "$d/config.json $d/training.json $d/eval.json $d/README.md"; done))
+  for d in $done_runs; do
+    split -n 2 out/$d/model.safetensors "$OUT/$d.safetensors.part."
   done ;;
 esac
