@@ -37,13 +37,13 @@ watch)
     tr '\r' '\n' < out/train_$v.log | grep -E "^\[#*\.*\]" | tail -1
   done
   # a call returns at most 8 files of at most 16 MiB: both runs' JSON and cards in one archive,
-  # each model in two parts (5 files)
+  # each model in 15 MiB parts (7 files for a 3-layer drafter beside one of up to 8 layers)
   done_runs=$(ls -d out/drafter_[ab] 2>/dev/null | while read -r d; do
     [ -f "$d/training.json" ] && basename "$d"; done)
   [ -n "$done_runs" ] || exit 0
   (cd out && tar czf "$OUT/results.tgz" flags_a flags_b train_a.log train_b.log \
     $(for d in $done_runs; do echo "$d/config.json $d/training.json $d/eval.json $d/README.md"; done))
   for d in $done_runs; do
-    split -n 2 out/$d/model.safetensors "$OUT/$d.safetensors.part."
+    split -b 15M out/$d/model.safetensors "$OUT/$d.safetensors.part."
   done ;;
 esac
