@@ -6,14 +6,16 @@ before p) and its accepted length a(p) read against the answer. Three sets of an
 compared: every position ("uniform", what `train-draft` samples by default), the positions the
 greedy speculative loop visits from the answer's start (p -> p + a(p) + 1, what τ is measured
 on), and one or two such hops from every position (what `--loop-hops 1` / `2` train on). Also
-τ by offset in the answer (16-token buckets). CPU, fp32 features. Writes JSON to --out."""
+τ by offset in the answer (16-token buckets), and the first draft's acceptance by how sure the
+target is of its own next token there (and how often a rejected first draft was the target's
+second choice). CPU, fp32 features. Writes JSON to --out."""
 from __future__ import annotations
 
 import argparse
 import json
 import time
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 
@@ -27,18 +29,54 @@ from services.draft.training.features import FeatureExtractor
 from services.draft.training.generate import Example, load_examples, shuffled
 
 
-def accepted_everywhere(draft, head, extractor, example: Example) -> list[int]:
-    """a(p) for every answer position p = prompt_len .. len-2 (index 0 is the answer's start)."""
+@dataclass
+class AnswerDrafts:
+    """Per answer position p = prompt_len .. len-2 (index 0 is the answer's start)."""
+    accepted: list[int]      # a(p): the drafts of the block anchored at p that the target accepts
+    target_next: list[int]    # the target's most likely next token (on a greedy answer, the label)
+    target_top1: list[float]  # its probability
+    second_choice: list[bool]  # the draft at k = 1 is the target's second most likely token
+
+
+def drafts_everywhere(draft, head, extractor, example: Example) -> AnswerDrafts:
+    """The drafter's block at every answer position, read against the answer."""
     seq = example.ids
     p0 = len(example.prompt_ids)
-    feats = extractor([seq], greedy=False).feats
+    out = extractor([seq], greedy=False, final=True)
     ids, lens = torch.tensor([seq]), torch.tensor([len(seq)])
     anchors = torch.arange(p0, len(seq) - 1)[None]
     bids, bpos, labels = block_inputs(ids, anchors, draft.cfg.block_size,
                                       draft.cfg.mask_token_id, lens)
     with torch.no_grad():
-        return accepted_drafts(draft_hidden(draft, head, feats, bids, bpos), labels,
-                               head)[0].tolist()
+        hidden = draft_hidden(draft, head, out.feats, bids, bpos)      # [1, nb, B, H]
+        accepted = accepted_drafts(hidden, labels, head)[0]
+        first = head.greedy(hidden[0, :, 1])                            # [nb] drafts at k = 1
+        logits = torch.nn.functional.linear(out.final[0, p0: len(seq) - 1],
+                                            head.lm_head_weight).float()  # [nb, V]
+        top = logits.softmax(-1).topk(2, dim=-1)
+    return AnswerDrafts(accepted.tolist(), top.indices[:, 0].tolist(), top.values[:, 0].tolist(),
+                        (first == top.indices[:, 1]).tolist())
+
+
+def by_target_confidence(drafts: list[tuple[int, float, bool]],
+                         edges: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)) -> dict[str, dict]:
+    """(accepted, target top-1 probability, k=1 draft is the target's #2) at some anchors ->
+    per band of the target's confidence in its next token: the share of anchors in it, the
+    acceptance at k = 1, and how often a rejected first draft was the target's second choice."""
+    bands: dict[str, list[tuple[int, bool]]] = defaultdict(list)
+    for a, p1, second in drafts:
+        lo = max([0.0] + [e for e in edges if p1 >= e])
+        hi = min([1.0] + [e for e in edges if p1 < e])
+        bands[f"{lo:.1f}-{hi:.1f}"].append((a, second))
+    n = max(1, len(drafts))
+    out = {}
+    for band, rows in sorted(bands.items()):
+        rejected = [second for a, second in rows if a == 0]
+        out[band] = {"share": round(len(rows) / n, 4),
+                     "acceptance_k1": round(sum(a >= 1 for a, _ in rows) / len(rows), 4),
+                     "rejected_k1_is_target_second": round(sum(rejected) / max(1, len(rejected)),
+                                                           4)}
+    return out
 
 
 def hop(accepted: list[int], p: int, hops: int) -> int | None:
@@ -79,12 +117,16 @@ def by_offset(pairs: list[tuple[int, int]], width: int = 16) -> dict[str, dict]:
 
 def measure_split(draft, head, extractor, examples: list[Example]) -> dict:
     uniform, loop, hop1, hop2 = [], [], [], []
+    confidence: dict[str, list[tuple[int, float, bool]]] = {"uniform": [], "loop": []}
     for e in examples:
         if len(e.response_ids) < 2:
             continue
-        acc = accepted_everywhere(draft, head, extractor, e)
+        d = drafts_everywhere(draft, head, extractor, e)
+        acc = d.accepted
         uniform += [(off, a) for off, a in enumerate(acc)]
         loop += [(off, acc[off]) for off in loop_offsets(acc)]
+        for name, offsets in (("uniform", range(len(acc))), ("loop", loop_offsets(acc))):
+            confidence[name] += [(acc[o], d.target_top1[o], d.second_choice[o]) for o in offsets]
         for hops, into in ((1, hop1), (2, hop2)):
             for p in range(len(acc)):
                 q = hop(acc, p, hops)
@@ -94,7 +136,9 @@ def measure_split(draft, head, extractor, examples: list[Example]) -> dict:
             "anchors": {name: summary([a for _, a in pairs]) for name, pairs in
                         (("uniform", uniform), ("loop", loop), ("one_hop", hop1),
                          ("two_hops", hop2))},
-            "loop_by_offset": by_offset(loop), "uniform_by_offset": by_offset(uniform)}
+            "loop_by_offset": by_offset(loop), "uniform_by_offset": by_offset(uniform),
+            "first_position_by_target_confidence": {
+                name: by_target_confidence(rows) for name, rows in confidence.items()}}
 
 
 def main(argv: list[str] | None = None) -> None:

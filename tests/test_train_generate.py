@@ -316,9 +316,16 @@ def test_hop_anchors_are_where_the_speculative_loop_of_the_shipped_drafter_goes(
         got = hop_anchors(draft, head, feats, ids, start, lens, block, mask, hops)
         assert got.tolist() == [[loop[hops], loop[hops], loop[hops + 1]]]
     # bench.anchor_positions drafts at every position and replays the loop from a(p): the same
-    from bench.anchor_positions import accepted_everywhere, hop, loop_offsets
+    from bench.anchor_positions import by_target_confidence, drafts_everywhere, hop, loop_offsets
     from services.draft.training.generate import Example
-    acc = accepted_everywhere(draft, head, ext, Example("p", "c", prompts[1], answer, 0.0))
+    d = drafts_everywhere(draft, head, ext, Example("p", "c", prompts[1], answer, 0.0))
+    acc = d.accepted
+    # the target's next token there is the greedy answer's; a first draft that is the target's
+    # second choice is rejected
+    assert d.target_next == answer[1:] and all(0 < p1 <= 1 for p1 in d.target_top1)
+    assert all(a == 0 for a, second in zip(acc, d.second_choice) if second)
+    bands = by_target_confidence(list(zip(acc, d.target_top1, d.second_choice)))
+    assert abs(sum(b["share"] for b in bands.values()) - 1) < 1e-3
     assert [len(prompts[1]) + o for o in loop_offsets(acc)] == loop[:-1]
     assert len(prompts[1]) + hop(acc, 0, 3) == loop[3] and hop(acc, len(acc) - 1, 1) is None
     # an anchor with a label left (length - 2) does not hop past it
