@@ -5,7 +5,7 @@
 #   bash scripts/h200/train_pair.sh watch [SECONDS]   follow; when both are done, results to $OUT
 set -u
 PHASE=$1; shift
-T=${TARGET:-$DFLASH_HOME/models/smollm2-135m-instruct/bfloat16}
+T=${TARGET:-${DFLASH_HOME:-/root/dflash-home}/models/smollm2-135m-instruct/bfloat16}
 W=out/work
 mkdir -p "$W" "$OUT"
 export DFLASH_TORCH_LAYER_OPS=1
@@ -36,14 +36,19 @@ watch)
     tr '\r' '\n' < out/train_$v.log | grep -vE "^\[#*\.*\]" | grep -E "tau|stopped|Error|error" | tail -6
     tr '\r' '\n' < out/train_$v.log | grep -E "^\[#*\.*\]" | tail -1
   done
-  # a call returns at most 8 files of at most 16 MiB: both runs' JSON and cards in one archive,
-  # each model in 15 MiB parts (7 files for a 3-layer drafter beside one of up to 8 layers)
+  # a call returns at most 8 files of at most 16 MiB, 64 MiB together: both runs' JSON and cards
+  # in one archive, each model in 15 MiB parts, the smaller model first, a model only while the
+  # total stays within 60 MiB (a 3-layer drafter beside an 8-layer one: the 3-layer's only)
   done_runs=$(ls -d out/drafter_[ab] 2>/dev/null | while read -r d; do
     [ -f "$d/training.json" ] && basename "$d"; done)
   [ -n "$done_runs" ] || exit 0
   (cd out && tar czf "$OUT/results.tgz" flags_a flags_b train_a.log train_b.log \
     $(for d in $done_runs; do echo "$d/config.json $d/training.json $d/eval.json $d/README.md"; done))
-  for d in $done_runs; do
+  total=0
+  for d in $(for r in $done_runs; do echo "$(stat -c %s out/$r/model.safetensors) $r"; done \
+             | sort -n | cut -d' ' -f2); do
+    total=$(( total + $(stat -c %s out/$d/model.safetensors) ))
+    [ "$total" -le $(( 60 * 1024 * 1024 )) ] || { echo "$d: weights left out (size)"; break; }
     split -b 15M out/$d/model.safetensors "$OUT/$d.safetensors.part."
   done ;;
 esac
