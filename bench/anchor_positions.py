@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from datetime import date
@@ -51,9 +52,7 @@ def drafts_everywhere(draft, head, extractor, example: Example) -> AnswerDrafts:
         hidden = draft_hidden(draft, head, out.feats, bids, bpos)      # [1, nb, B, H]
         accepted = accepted_drafts(hidden, labels, head)[0]
         first = head.greedy(hidden[0, :, 1])                            # [nb] drafts at k = 1
-        logits = torch.nn.functional.linear(out.final[0, p0: len(seq) - 1],
-                                            head.lm_head_weight).float()  # [nb, V]
-        top = logits.softmax(-1).topk(2, dim=-1)
+        top = head.logits(out.final[0, p0: len(seq) - 1]).softmax(-1).topk(2, dim=-1)  # [nb, 2]
     return AnswerDrafts(accepted.tolist(), top.indices[:, 0].tolist(), top.values[:, 0].tolist(),
                         (first == top.indices[:, 1]).tolist())
 
@@ -63,11 +62,11 @@ def by_target_confidence(drafts: list[tuple[int, float, bool]],
     """(accepted, target top-1 probability, k=1 draft is the target's #2) at some anchors ->
     per band of the target's confidence in its next token: the share of anchors in it, the
     acceptance at k = 1, and how often a rejected first draft was the target's second choice."""
+    bounds = (0.0, *edges, 1.0)
     bands: dict[str, list[tuple[int, bool]]] = defaultdict(list)
     for a, p1, second in drafts:
-        lo = max([0.0] + [e for e in edges if p1 >= e])
-        hi = min([1.0] + [e for e in edges if p1 < e])
-        bands[f"{lo:.1f}-{hi:.1f}"].append((a, second))
+        i = bisect_right(edges, p1)                 # p1 in [bounds[i], bounds[i+1]), 1.0 in the last
+        bands[f"{bounds[i]:.1f}-{bounds[i + 1]:.1f}"].append((a, second))
     n = max(1, len(drafts))
     out = {}
     for band, rows in sorted(bands.items()):
@@ -123,9 +122,10 @@ def measure_split(draft, head, extractor, examples: list[Example]) -> dict:
             continue
         d = drafts_everywhere(draft, head, extractor, e)
         acc = d.accepted
+        visited = loop_offsets(acc)
         uniform += [(off, a) for off, a in enumerate(acc)]
-        loop += [(off, acc[off]) for off in loop_offsets(acc)]
-        for name, offsets in (("uniform", range(len(acc))), ("loop", loop_offsets(acc))):
+        loop += [(off, acc[off]) for off in visited]
+        for name, offsets in (("uniform", range(len(acc))), ("loop", visited)):
             confidence[name] += [(acc[o], d.target_top1[o], d.second_choice[o]) for o in offsets]
         for hops, into in ((1, hop1), (2, hop2)):
             for p in range(len(acc)):

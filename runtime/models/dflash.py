@@ -304,9 +304,13 @@ class TargetHead:
         """int64 [T] -> [T, H]."""
         return F.embedding(ids, self.embed_weight)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> fp32 logits [N, V] (differentiable: the training loss uses it too)."""
+        return linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
+
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> int64 [N]: argmax of the fp32 logits."""
-        return linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float().argmax(-1)
+        return self.logits(hidden).argmax(-1)
 
 
 # -- checkpoint I/O --------------------------------------------------------------------------

@@ -146,11 +146,6 @@ def soft_targets(final: torch.Tensor, anchors: torch.Tensor, block: int) -> torc
     return final.gather(1, rows).view(s, nb, block - 1, -1)
 
 
-def _logits(h: torch.Tensor, head: TargetHead) -> torch.Tensor:
-    """h [N, H] -> fp32 logits [N, V] through the target's LM head."""
-    return (h.to(head.lm_head_weight.dtype) @ head.lm_head_weight.t()).float()
-
-
 def block_loss(hidden: torch.Tensor, labels: torch.Tensor, head: TargetHead,
                weights: torch.Tensor, target_final: torch.Tensor | None = None,
                soft_weight: float = 0.0, reach_weight: float = 0.0
@@ -169,14 +164,14 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, head: TargetHead,
     flat = labels.reshape(-1)
     rows = (flat >= 0).nonzero().squeeze(1)             # [N] labelled rows (one host sync a step)
     h = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])[rows]
-    logits = _logits(h, head)                           # [N, V]
+    logits = head.logits(h)                           # [N, V]
     y = flat[rows]
     ce = F.cross_entropy(logits, y, reduction="none")
     loss_rows = ce
     if target_final is not None and soft_weight > 0:
         with torch.no_grad():
             t_logp = F.log_softmax(
-                _logits(target_final.reshape(-1, target_final.shape[-1])[rows], head), dim=-1)
+                head.logits(target_final.reshape(-1, target_final.shape[-1])[rows]), dim=-1)
         kl = (t_logp.exp() * (t_logp - F.log_softmax(logits, dim=-1))).sum(-1)
         loss_rows = loss_rows + soft_weight * kl
     k = rows % width                                    # each row's draft position - 1
