@@ -148,6 +148,50 @@ def test_zlab_round_trip(tiny_draft, tiny_qwen3_dir, tmp_path):
     assert torch.equal(outs[0].hidden, outs[1].hidden)
 
 
+@pytest.fixture(scope="module")
+def two_pass_draft(tiny_draft: Path, tmp_path_factory) -> Path:
+    """The same weights with dflash_config.layer_passes 2: the block runs the stack twice."""
+    out = tmp_path_factory.mktemp("two_pass")
+    cfg = json.loads((tiny_draft / "config.json").read_text())
+    cfg["dflash_config"]["layer_passes"] = 2
+    (out / "config.json").write_text(json.dumps(cfg))
+    (out / "model.safetensors").write_bytes((tiny_draft / "model.safetensors").read_bytes())
+    return out
+
+
+def test_layer_passes_run_the_stack_again_when_served_and_in_training(two_pass_draft, tiny_draft,
+                                                                      tiny_qwen3_dir):
+    from services.draft.training.blocks import draft_hidden
+    from runtime.models.dflash import TargetHead
+    assert DFlashConfig.from_dir(two_pass_draft).layer_schedule() == [0, 1, 0, 1]
+    gen = torch.Generator().manual_seed(4)
+    feats = torch.randn(12, 128, generator=gen).to(torch.bfloat16)
+    ref = ReferenceDFlash(two_pass_draft, tiny_qwen3_dir)
+    seq = DraftSequence("p")
+    first = step(drafter_for(two_pass_draft, tiny_qwen3_dir), seq, feats[:9], 7, 8)
+    again = step(drafter_for(two_pass_draft, tiny_qwen3_dir), DraftSequence("q"), feats[:9], 7, 8)
+    expected = ref.block_hidden(feats[:9], 7, 8)
+    torch.testing.assert_close(first.hidden, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(again.hidden, first.hidden, rtol=0, atol=0)
+    one_pass = step(drafter_for(tiny_draft, tiny_qwen3_dir), DraftSequence("r"), feats[:9], 7, 8)
+    assert (one_pass.hidden - first.hidden).abs().max() > 1e-2      # the second pass did run
+    # the training forward (dense attention over all rows, context K/V once per layer) agrees;
+    # the rows after the anchor are masked out of its context
+    draft = load_dflash(two_pass_draft, torch.float32)
+    head = TargetHead.load(tiny_qwen3_dir, torch.float32, "cpu")
+    ids = torch.tensor([[[7] + [255] * 7]])
+    pos = torch.arange(9, 17)[None, None]
+    trained = draft_hidden(draft, head, feats.float()[None], ids, pos)
+    torch.testing.assert_close(trained[0, 0], expected, rtol=0, atol=1e-4)
+
+
+def test_layer_passes_below_one_are_refused(tiny_draft):
+    raw = json.loads((tiny_draft / "config.json").read_text())
+    raw["dflash_config"]["layer_passes"] = 0
+    with pytest.raises(ValueError, match="layer_passes must be >= 1, got 0"):
+        DFlashConfig.from_dict(raw)
+
+
 def test_top_level_dflash_keys_and_default_layer_ids(tiny_draft, tmp_path):
     """Some checkpoints keep mask_token_id / target_layer_ids at the top level (z-lab's lookup
     reads dflash_config first, then the top level)."""

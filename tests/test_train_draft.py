@@ -44,7 +44,7 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
            "--limit-prompts", "12", "--limit-eval", "3", "--eval-sequences", "3",
            "--concurrency", "16", "--seed", "1", "--sampled-temperature", "0.7",
            "--samples-per-prompt", "2", "--follow-ups", "2", "--soft-labels", "0.5",
-           "--reach-weight", "0.5", "--init-from-target", "--loop-hops", "2"]
+           "--reach-weight", "0.5", "--init-from-target", "--loop-hops", "2", "--layer-passes", "2"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "training.json").read_text())
@@ -68,6 +68,7 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
         "train-followup_t0.0.jsonl", "train-followup_t0.7_s1.jsonl"}
     cfg = DFlashConfig.from_dir(out)
     assert cfg.block_size == 8 and cfg.mask_token_id == 16 and cfg.target_layer_ids == (1, 5)
+    assert cfg.layer_passes == 2 and "runs through them 2 times" in (out / "README.md").read_text()
     draft = start_draft(tiny_chat_target, tmp_path, model_dir=out)
     try:
         assert draft.proc.poll() is None
@@ -134,6 +135,7 @@ def test_sets_made_in_parallel_or_one_at_a_time_equal_those_of_one_process(tiny_
     (("--self-prompts", "-1"), "--self-prompts -1 --self-prompt-tokens 96: give a count >= 0"),
     (("--intermediate-size", "-8"), "--intermediate-size -8: give the drafter's FFN width (> 0)"),
     (("--reach-weight", "1.5"), "--reach-weight 1.5: give a value in [0, 1] (0 = off)"),
+    (("--layer-passes", "0"), "--layer-passes 0: give a count of passes >= 1 (1 = off)"),
     (("--loop-hops", "-1"), "--loop-hops -1: give a count of hops >= 0 (0 = off)"),
     (("--init-from-target", "--init-from", "other"),
      "--init-from-target and --init-from: give one starting point"),

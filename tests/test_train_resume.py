@@ -96,7 +96,7 @@ def test_init_from_starts_where_a_trained_drafter_ended(tiny_target, tmp_path):
                           lr=0.0, steps=1), examples, [])
     a, b = read_tensors(str(first.out), None), read_tensors(str(again.out), None)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    for other in ({"num_layers": 2}, {"intermediate_size": 40}):
+    for other in ({"num_layers": 2}, {"intermediate_size": 40}, {"layer_passes": 2}):
         with pytest.raises(ValueError, match=r"layers, FFN width, taps, block size, mask id"):
             train(replace(_cfg(tiny_target, tmp_path / "x"), init_from=str(first.out), **other),
                   examples, [])
@@ -117,6 +117,23 @@ def test_intermediate_size_shapes_the_exported_drafter(tiny_target, tmp_path):
         gates = [v for k, v in read_tensors(str(out), None).items() if k.endswith("gate_proj.weight")]
         assert gates and all(g.shape[0] == expected for g in gates)
         load_dflash(str(out), torch.float32, torch.device("cpu"))
+
+
+def test_layer_passes_train_and_export_a_drafter_that_runs_its_layers_again(tiny_target,
+                                                                           tmp_path):
+    """--layer-passes 2: the export keeps one set of layer weights, says layer_passes 2 in its
+    dflash_config, and loads with that schedule; the loss falls."""
+    from runtime.config import read_config_json
+    from runtime.models.dflash import load_dflash
+    raw = read_config_json(str(tiny_target))
+    run = train(replace(_cfg(tiny_target, tmp_path / "p2"), steps=20, layer_passes=2),
+                _examples(int(raw["vocab_size"])), [])
+    out = read_config_json(str(run.out))
+    assert out["dflash_config"]["layer_passes"] == 2 and out["num_hidden_layers"] == 1
+    assert not any(k.startswith("layers.1.") for k in read_tensors(str(run.out), None))
+    assert load_dflash(str(run.out)).cfg.layer_schedule() == [0, 0]
+    losses = [h["loss"] for h in run.summary["history"]]
+    assert len(losses) >= 2 and losses[-1] < losses[0], losses
 
 
 @pytest.mark.parametrize("window", [0, 5, 1000])

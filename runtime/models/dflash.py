@@ -4,7 +4,10 @@ Checkpoint: `config.json` with Qwen3 layer fields (hidden_size, num_hidden_layer
 intermediate_size, rms_norm_eps, rope_theta / rope_scaling, optional layer_types + sliding_window),
 `block_size` and `dflash_config` {target_layer_ids, mask_token_id} (either key may also sit at the
 top level); safetensors `layers.N.*` (Qwen3 names), `fc.weight` [H, K*H], `hidden_norm.weight`,
-`norm.weight`. No embedding and no LM head: `TargetHead` reads `model.embed_tokens.weight` and
+`norm.weight`. Our extension `dflash_config.layer_passes` P (default 1): the block runs through
+the layer stack P times with the same weights (z-lab's code would run it once: such a checkpoint
+is ours only). The context K/V of a layer depend only on the projected context and that layer's
+weights, so every pass reads the same cached context K/V. No embedding and no LM head: `TargetHead` reads `model.embed_tokens.weight` and
 `lm_head.weight` (tied targets: the embedding) from the target's directory, and nothing else.
 Our own tools add `target_fingerprint` {vocab_size, hidden_size, num_layers, tokenizer_hash}.
 
@@ -138,6 +141,7 @@ class DFlashConfig:
     sliding_window: int | None
     is_causal: bool | None               # config override of the per-layer rule
     input_embedding_scale: float = 1.0
+    layer_passes: int = 1                # times the block runs through the layer stack
     target_fingerprint: TargetFingerprint | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -148,6 +152,10 @@ class DFlashConfig:
     @property
     def hidden_size(self) -> int:
         return self.base.hidden_size
+
+    def layer_schedule(self) -> list[int]:
+        """The draft layers in the order the block runs through them (each pass the whole stack)."""
+        return list(range(self.base.num_layers)) * self.layer_passes
 
     @property
     def feature_width(self) -> int:
@@ -176,6 +184,9 @@ class DFlashConfig:
         window = _draft_value(raw, "sliding_window")
         _check_layer_types(layer_types, base.num_layers, window)
         causal = _draft_value(raw, "is_causal")
+        passes = int(_draft_value(raw, "layer_passes", 1))
+        if passes < 1:
+            raise ValueError(f"dflash_config.layer_passes must be >= 1, got {passes}")
         fp = raw.get("target_fingerprint")
         return DFlashConfig(
             base=base, block_size=int(_draft_value(raw, "block_size", 16)),
@@ -183,6 +194,7 @@ class DFlashConfig:
             layer_types=layer_types, sliding_window=int(window) if window else None,
             is_causal=None if causal is None else bool(causal),
             input_embedding_scale=float(_draft_value(raw, "input_embedding_scale", 1.0)),
+            layer_passes=passes,
             target_fingerprint=TargetFingerprint.from_dict(fp) if fp else None, raw=raw)
 
     @staticmethod
@@ -261,8 +273,8 @@ class DFlashDraftModel(nn.Module):
         """block_embeds [T, H] (flattened blocks), positions int64 [T] -> norm(hidden) [T, H].
         The backend must be prepared with the blocks' metadata over the cached context."""
         x = block_embeds.to(self.fc.weight.dtype)
-        for layer in self.layers:
-            x = layer(x, positions, self.rope, batch)
+        for i in self.cfg.layer_schedule():
+            x = self.layers[i](x, positions, self.rope, batch)
         return self.norm(x)
 
 

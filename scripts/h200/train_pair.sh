@@ -1,8 +1,11 @@
 # On one H200, after `source scripts/h200/env.sh` and scripts/h200/assemble_smollm2.sh: an A/B of
-# one train-draft flag on a short recipe, both runs at once on the one GPU (each with its own
-# feature cache), sharing one set of answers. Work files in out/ (kept while the machine is warm).
-#   bash scripts/h200/train_pair.sh start STEPS "FLAGS_A" "FLAGS_B"   answers, then both runs (bg)
-#   bash scripts/h200/train_pair.sh watch [SECONDS]   follow; when both are done, results to $OUT
+# train-draft flags on a short recipe, two or three runs at once on the one GPU (each with its
+# own feature cache), sharing one set of answers. Work files in out/ (kept while the machine is
+# warm).
+#   bash scripts/h200/train_pair.sh start STEPS "FLAGS_A" "FLAGS_B" ["FLAGS_C"]   answers, then
+#                                                                                the runs (bg)
+#   bash scripts/h200/train_pair.sh watch [SECONDS]   follow; when all are done, results to $OUT
+#                                                    (call again for models that did not fit)
 set -u
 PHASE=$1; shift
 T=${TARGET:-${DFLASH_HOME:-/root/dflash-home}/models/smollm2-135m-instruct/bfloat16}
@@ -19,36 +22,40 @@ start)
   [ -f "$W/train_t0.0.jsonl" ] || tar xzf data/train-answers/smollm2-answers-greedy.tgz -C out
   python3 -m dflash.cli train-draft "${COMMON[@]}" --out out/unused --generate-only 2>&1 \
     | grep -E "tokens in|Error|error"
-  for v in a b; do
-    if [ $v = a ]; then FLAGS=$2; else FLAGS=$3; fi
+  shift
+  for v in a b c; do
+    [ $# -gt 0 ] || break
+    FLAGS=$1; shift
     echo "$FLAGS" > out/flags_$v
     setsid nohup python3 -m dflash.cli train-draft "${COMMON[@]}" --out out/drafter_$v \
       --steps "$STEPS" --eval-every $(( STEPS / 3 )) $FLAGS > out/train_$v.log 2>&1 < /dev/null &
   done
   sleep 60
-  for v in a b; do tr '\r' '\n' < out/train_$v.log | grep -vE "^\[#*\.*\]" | tail -2
+  for v in $(ls out/flags_? | sed 's/.*_//'); do tr '\r' '\n' < out/train_$v.log | grep -vE "^\[#*\.*\]" | tail -2
     tr '\r' '\n' < out/train_$v.log | grep -E "^\[#*\.*\]" | tail -1; done ;;
 watch)
   end=$(( $(date +%s) + ${1:-540} ))
   while pgrep -f "train-draft" > /dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
-  for v in a b; do
+  runs=$(ls out/flags_? | sed 's/.*_//')
+  for v in $runs; do
     echo "== $v: $(cat out/flags_$v)"
     tr '\r' '\n' < out/train_$v.log | grep -vE "^\[#*\.*\]" | grep -E "tau|stopped|Error|error" | tail -6
     tr '\r' '\n' < out/train_$v.log | grep -E "^\[#*\.*\]" | tail -1
   done
-  # a call returns at most 8 files of at most 16 MiB, 64 MiB together: both runs' JSON and cards
+  # a call returns at most 8 files of at most 16 MiB, 64 MiB together: the runs' JSON and cards
   # in one archive, each model in 15 MiB parts, the smaller model first, a model only while the
-  # total stays within 60 MiB (a 3-layer drafter beside an 8-layer one: the 3-layer's only)
-  done_runs=$(ls -d out/drafter_[ab] 2>/dev/null | while read -r d; do
-    [ -f "$d/training.json" ] && basename "$d"; done)
+  # total stays within 60 MiB; the models left out come back on the next watch
+  done_runs=$(for v in $runs; do
+    [ -f out/drafter_$v/training.json ] && echo drafter_$v; done)
   [ -n "$done_runs" ] || exit 0
-  (cd out && tar czf "$OUT/results.tgz" flags_a flags_b train_a.log train_b.log \
+  (cd out && tar czf "$OUT/results.tgz" flags_? train_?.log \
     $(for d in $done_runs; do echo "$d/config.json $d/training.json $d/eval.json $d/README.md"; done))
   total=0
-  for d in $(for r in $done_runs; do echo "$(stat -c %s out/$r/model.safetensors) $r"; done \
-             | sort -n | cut -d' ' -f2); do
+  for d in $(for r in $done_runs; do [ -f out/$r.returned ] ||
+               echo "$(stat -c %s out/$r/model.safetensors) $r"; done | sort -n | cut -d' ' -f2); do
     total=$(( total + $(stat -c %s out/$d/model.safetensors) ))
-    [ "$total" -le $(( 60 * 1024 * 1024 )) ] || { echo "$d: weights left out (size)"; break; }
+    [ "$total" -le $(( 60 * 1024 * 1024 )) ] || { echo "$d: weights left out (size): watch again"; break; }
     split -b 15M out/$d/model.safetensors "$OUT/$d.safetensors.part."
+    touch out/$d.returned
   done ;;
 esac

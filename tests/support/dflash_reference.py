@@ -55,7 +55,8 @@ class ReferenceDFlash:
         x = self.embed[torch.tensor([anchor] + [self.mask] * (block - 1))]
         pos_ctx, pos_blk = torch.arange(L), torch.arange(L, L + block)
         pos_all = torch.cat([pos_ctx, pos_blk])
-        for i, kind in enumerate(self.layer_types):
+        passes = self.cfg.get("dflash_config", {}).get("layer_passes", 1)
+        for i, kind in list(enumerate(self.layer_types)) * passes:
             p = f"layers.{i}."
             h = self._rms(x, w[p + "input_layernorm.weight"])
             q = (h @ w[p + "self_attn.q_proj.weight"].t()).view(block, self.nh, self.hd)

@@ -80,14 +80,18 @@ def draft_hidden(draft: DFlashDraftModel, head: TargetHead, feats: torch.Tensor,
     qpos = block_pos.reshape(-1)
     anchors = block_pos[..., 0]
     masks: dict[tuple[bool, int | None], torch.Tensor] = {}
-    for layer in draft.layers:
+    context = {}                        # layer -> its context K/V, shared by every pass
+    for i in draft.cfg.layer_schedule():
+        layer = draft.layers[i]
         attn = layer.self_attn
         key = (attn.causal, attn.window)
         if key not in masks:
             masks[key] = attention_mask(anchors, L, b, *key)[:, None]
+        if i not in context:
+            context[i] = attn.context_kv(ctx, ctx_pos, draft.rope)
+        kc, vc = context[i]
         h = layer.input_layernorm(x)
         q, k, v = attn.project_qkv(h, qpos, draft.rope)
-        kc, vc = attn.context_kv(ctx, ctx_pos, draft.rope)
         keys = torch.cat([kc.view(s, L, attn.nkv, attn.hd), k.view(s, nb * b, attn.nkv, attn.hd)], 1)
         vals = torch.cat([vc.view(s, L, attn.nkv, attn.hd), v.view(s, nb * b, attn.nkv, attn.hd)], 1)
         rep = attn.nh // attn.nkv

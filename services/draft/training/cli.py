@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--intermediate-size", type=int, default=0, metavar="N",
                    help="the drafter's FFN width (0 = the target's)")
+    p.add_argument("--layer-passes", type=int, default=1, metavar="P",
+                   help="run the block through the layers P times with the same weights (more "
+                        "computation, no more parameters; dflash_config.layer_passes)")
     p.add_argument("--taps", type=int, default=5, help="target layers tapped for features")
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, metavar="L",
                    help="tapped target layers, each in [0, target layers) (default: --taps ids "
@@ -241,11 +244,13 @@ def _set_job(args, name: str, prompts: list, greedy: list[Example], work: Path) 
 
 
 def argument_error(args) -> str:
-    """What is wrong with --init-from-target, --intermediate-size, --reach-weight, --loop-hops,
-    --self-prompts, --generation-processes or --only-set, or ''."""
+    """What is wrong with --init-from-target, --intermediate-size, --layer-passes, --reach-weight,
+    --loop-hops, --self-prompts, --generation-processes or --only-set, or ''."""
     if args.intermediate_size < 0:
         return (f"--intermediate-size {args.intermediate_size}: give the drafter's FFN width "
                 f"(> 0) or 0 for the target's")
+    if args.layer_passes < 1:
+        return f"--layer-passes {args.layer_passes}: give a count of passes >= 1 (1 = off)"
     if args.init_from_target and args.init_from:
         return "--init-from-target and --init-from: give one starting point"
     if not 0.0 <= args.reach_weight <= 1.0:
@@ -307,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     work = Path(args.work) if args.work else out.parent / "work"
     cfg = TrainConfig(target_dir=args.target, out_dir=str(out), num_layers=args.layers,
-                      intermediate_size=args.intermediate_size,
+                      intermediate_size=args.intermediate_size, layer_passes=args.layer_passes,
                       block_size=args.block_size, num_taps=args.taps,
                       target_layer_ids=tuple(args.target_layer_ids or ()),
                       mask_token_id=args.mask_token_id, steps=args.steps,

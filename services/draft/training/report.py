@@ -52,7 +52,9 @@ def evaluate_splits(cfg, draft_dir: Path, held: dict[str, list[Example]],
 
 def _ffn(cfg: dict) -> str:
     width = cfg.get("intermediate_size", 0)
-    return f" (FFN width {width}, not the target's)" if width else ""
+    passes = cfg.get("layer_passes", 1)
+    return ((f" (FFN width {width}, not the target's)" if width else "") +
+            (f", the block runs through them {passes} times (shared weights)" if passes > 1 else ""))
 
 
 def write_card(draft_dir: Path, summary: dict) -> None:

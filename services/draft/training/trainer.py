@@ -55,6 +55,8 @@ class TrainConfig:
     out_dir: str
     num_layers: int = 2
     intermediate_size: int = 0                 # the drafter's FFN width (0 = the target's)
+    layer_passes: int = 1                      # > 1: the block runs the layers this many times
+                                               # with the same weights (dflash_config.layer_passes)
     block_size: int = 16
     target_layer_ids: tuple[int, ...] = ()     # () = num_taps spread by DFlash's rule
     num_taps: int = 5
@@ -113,7 +115,8 @@ def draft_config_dict(cfg: TrainConfig, target_raw: dict, taps: tuple[int, ...])
         "max_position_embeddings": int(target_raw.get("max_position_embeddings", 8192)),
         "vocab_size": int(target_raw["vocab_size"]), "tie_word_embeddings": False,
         "attention_bias": False, "hidden_act": "silu", "block_size": cfg.block_size,
-        "dflash_config": {"target_layer_ids": list(taps), "mask_token_id": cfg.mask_token_id},
+        "dflash_config": {"target_layer_ids": list(taps), "mask_token_id": cfg.mask_token_id,
+                          **({"layer_passes": cfg.layer_passes} if cfg.layer_passes > 1 else {})},
         "target_fingerprint": TargetFingerprint.of_target(cfg.target_dir).to_dict(),
         "dtype": "bfloat16",
     }
@@ -168,11 +171,12 @@ def init_from_drafter(draft: DFlashDraftModel, path: str) -> None:
     start = load_dflash(path, torch.float32, next(draft.parameters()).device)
     mine, theirs = draft.cfg, start.cfg
     got = (theirs.base.num_layers, theirs.base.intermediate_size, theirs.target_layer_ids,
-           theirs.block_size, theirs.mask_token_id)
+           theirs.block_size, theirs.mask_token_id, theirs.layer_passes)
     want = (mine.base.num_layers, mine.base.intermediate_size, mine.target_layer_ids,
-            mine.block_size, mine.mask_token_id)
+            mine.block_size, mine.mask_token_id, mine.layer_passes)
     if got != want:
-        raise ValueError(f"--init-from {path}: (layers, FFN width, taps, block size, mask id) "
+        raise ValueError(f"--init-from {path}: (layers, FFN width, taps, block size, mask id, "
+                         f"layer passes) "
                          f"{got} differ from this run's {want}")
     draft.load_state_dict(start.state_dict())
     log.info("starting from the weights of %s", path)
