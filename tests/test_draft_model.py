@@ -14,6 +14,7 @@ from support.tiny_models import make_tiny
 from runtime.models.dflash import (
     DFlashConfig,
     TargetFingerprint,
+    TargetHead,
     build_target_layer_ids,
     checkpoint_tensors,
     load_dflash,
@@ -24,6 +25,7 @@ from services.draft.dflash_drafter import DFlashDrafter, compatibility_problems
 from services.draft.drafter import DrafterRefused, ProposeItem
 from services.draft.make_random import default_mask_token_id, make_random_drafter
 from services.draft.sequence import DraftSequence
+from services.draft.training.blocks import draft_hidden
 
 LAYER_IDS = [1, 2]           # tiny targets have 4 layers
 
@@ -161,8 +163,6 @@ def two_pass_draft(tiny_draft: Path, tmp_path_factory) -> Path:
 
 def test_layer_passes_run_the_stack_again_when_served_and_in_training(two_pass_draft, tiny_draft,
                                                                       tiny_qwen3_dir):
-    from services.draft.training.blocks import draft_hidden
-    from runtime.models.dflash import TargetHead
     assert DFlashConfig.from_dir(two_pass_draft).layer_schedule() == [0, 1, 0, 1]
     gen = torch.Generator().manual_seed(4)
     feats = torch.randn(12, 128, generator=gen).to(torch.bfloat16)

@@ -16,6 +16,7 @@ from support.draft_service import start_draft
 from support.tiny_models import make_tiny
 
 from runtime.models.dflash import DFlashConfig
+from runtime.weights import read_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,7 +69,9 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
         "train-followup_t0.0.jsonl", "train-followup_t0.7_s1.jsonl"}
     cfg = DFlashConfig.from_dir(out)
     assert cfg.block_size == 8 and cfg.mask_token_id == 16 and cfg.target_layer_ids == (1, 5)
+    # --layer-passes 2: one set of layer weights, run twice
     assert cfg.layer_passes == 2 and "runs through them 2 times" in (out / "README.md").read_text()
+    assert not any(name.startswith("layers.1.") for name in read_tensors(str(out), None))
     draft = start_draft(tiny_chat_target, tmp_path, model_dir=out)
     try:
         assert draft.proc.poll() is None

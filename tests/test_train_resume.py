@@ -119,23 +119,6 @@ def test_intermediate_size_shapes_the_exported_drafter(tiny_target, tmp_path):
         load_dflash(str(out), torch.float32, torch.device("cpu"))
 
 
-def test_layer_passes_train_and_export_a_drafter_that_runs_its_layers_again(tiny_target,
-                                                                           tmp_path):
-    """--layer-passes 2: the export keeps one set of layer weights, says layer_passes 2 in its
-    dflash_config, and loads with that schedule; the loss falls."""
-    from runtime.config import read_config_json
-    from runtime.models.dflash import load_dflash
-    raw = read_config_json(str(tiny_target))
-    run = train(replace(_cfg(tiny_target, tmp_path / "p2"), steps=20, layer_passes=2),
-                _examples(int(raw["vocab_size"])), [])
-    out = read_config_json(str(run.out))
-    assert out["dflash_config"]["layer_passes"] == 2 and out["num_hidden_layers"] == 1
-    assert not any(k.startswith("layers.1.") for k in read_tensors(str(run.out), None))
-    assert load_dflash(str(run.out)).cfg.layer_schedule() == [0, 0]
-    losses = [h["loss"] for h in run.summary["history"]]
-    assert len(losses) >= 2 and losses[-1] < losses[0], losses
-
-
 @pytest.mark.parametrize("window", [0, 5, 1000])
 def test_anchors_stay_in_the_answer_window(window):
     """Anchors lie in [prompt_len, len-2]; --anchor-window N keeps them in the answer's first N

@@ -4,12 +4,13 @@ Checkpoint: `config.json` with Qwen3 layer fields (hidden_size, num_hidden_layer
 intermediate_size, rms_norm_eps, rope_theta / rope_scaling, optional layer_types + sliding_window),
 `block_size` and `dflash_config` {target_layer_ids, mask_token_id} (either key may also sit at the
 top level); safetensors `layers.N.*` (Qwen3 names), `fc.weight` [H, K*H], `hidden_norm.weight`,
-`norm.weight`. Our extension `dflash_config.layer_passes` P (default 1): the block runs through
-the layer stack P times with the same weights (z-lab's code would run it once: such a checkpoint
-is ours only). The context K/V of a layer depend only on the projected context and that layer's
-weights, so every pass reads the same cached context K/V. No embedding and no LM head: `TargetHead` reads `model.embed_tokens.weight` and
+`norm.weight`. No embedding and no LM head: `TargetHead` reads `model.embed_tokens.weight` and
 `lm_head.weight` (tied targets: the embedding) from the target's directory, and nothing else.
-Our own tools add `target_fingerprint` {vocab_size, hidden_size, num_layers, tokenizer_hash}.
+Our own tools add `target_fingerprint` {vocab_size, hidden_size, num_layers, tokenizer_hash}, and
+may add `dflash_config.layer_passes` P (default 1): the block runs through the layer stack P times
+with the same weights (z-lab's code would run it once: such a checkpoint is ours only). A layer's
+context K/V depend only on the projected context and that layer's weights, so every pass reads
+the same cached context K/V.
 
 Semantics verified by reading (never copying) z-lab/dflash `dflash/model.py` @10129599
 (`Qwen3DFlashAttention`, `Qwen3DFlashDecoderLayer`, `DFlashDraftModel`, `dflash_generate`,

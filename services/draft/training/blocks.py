@@ -80,7 +80,7 @@ def draft_hidden(draft: DFlashDraftModel, head: TargetHead, feats: torch.Tensor,
     qpos = block_pos.reshape(-1)
     anchors = block_pos[..., 0]
     masks: dict[tuple[bool, int | None], torch.Tensor] = {}
-    context = {}                        # layer -> its context K/V, shared by every pass
+    context: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> context K/V, every pass
     for i in draft.cfg.layer_schedule():
         layer = draft.layers[i]
         attn = layer.self_attn

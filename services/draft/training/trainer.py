@@ -176,8 +176,7 @@ def init_from_drafter(draft: DFlashDraftModel, path: str) -> None:
             mine.block_size, mine.mask_token_id, mine.layer_passes)
     if got != want:
         raise ValueError(f"--init-from {path}: (layers, FFN width, taps, block size, mask id, "
-                         f"layer passes) "
-                         f"{got} differ from this run's {want}")
+                         f"layer passes) {got} differ from this run's {want}")
     draft.load_state_dict(start.state_dict())
     log.info("starting from the weights of %s", path)
 
