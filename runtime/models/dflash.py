@@ -266,7 +266,12 @@ class DFlashDraftModel(nn.Module):
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """features [N, K*H], positions int64 [N] -> per draft layer (k, v) [N, nkv, hd]."""
-        ctx = self.project_context(features)
+        return self.projected_context_kv(self.project_context(features), positions)
+
+    def projected_context_kv(self, ctx: torch.Tensor, positions: torch.Tensor
+                             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """ctx [N, H] (project_context's output) -> per draft layer (k, v) [N, nkv, hd]; every
+        pass of a layer reads the same."""
         return [layer.self_attn.context_kv(ctx, positions, self.rope) for layer in self.layers]
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,

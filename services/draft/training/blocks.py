@@ -80,15 +80,13 @@ def draft_hidden(draft: DFlashDraftModel, head: TargetHead, feats: torch.Tensor,
     qpos = block_pos.reshape(-1)
     anchors = block_pos[..., 0]
     masks: dict[tuple[bool, int | None], torch.Tensor] = {}
-    context: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> context K/V, every pass
+    context = draft.projected_context_kv(ctx, ctx_pos)      # per layer, shared by every pass
     for i in draft.cfg.layer_schedule():
         layer = draft.layers[i]
         attn = layer.self_attn
         key = (attn.causal, attn.window)
         if key not in masks:
             masks[key] = attention_mask(anchors, L, b, *key)[:, None]
-        if i not in context:
-            context[i] = attn.context_kv(ctx, ctx_pos, draft.rope)
         kc, vc = context[i]
         h = layer.input_layernorm(x)
         q, k, v = attn.project_qkv(h, qpos, draft.rope)
@@ -168,7 +166,7 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, head: TargetHead,
     flat = labels.reshape(-1)
     rows = (flat >= 0).nonzero().squeeze(1)             # [N] labelled rows (one host sync a step)
     h = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])[rows]
-    logits = head.logits(h)                           # [N, V]
+    logits = head.logits(h)                             # [N, V]
     y = flat[rows]
     ce = F.cross_entropy(logits, y, reduction="none")
     loss_rows = ce
