@@ -39,8 +39,11 @@ class AnswerDrafts:
     second_choice: list[bool]  # the draft at k = 1 is the target's second most likely token
 
 
-def drafts_everywhere(draft, head, extractor, example: Example) -> AnswerDrafts:
-    """The drafter's block at every answer position, read against the answer."""
+def blocks_everywhere(draft, head, extractor, example: Example
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The drafter's block anchored at every answer position p = prompt_len .. len-2:
+    (hidden [1, nb, B, H], labels [1, nb, B-1] from the answer, the target's final hidden
+    states [1, L, H])."""
     seq = example.ids
     p0 = len(example.prompt_ids)
     out = extractor([seq], greedy=False, final=True)
@@ -49,10 +52,19 @@ def drafts_everywhere(draft, head, extractor, example: Example) -> AnswerDrafts:
     bids, bpos, labels = block_inputs(ids, anchors, draft.cfg.block_size,
                                       draft.cfg.mask_token_id, lens)
     with torch.no_grad():
-        hidden = draft_hidden(draft, head, out.feats, bids, bpos)      # [1, nb, B, H]
+        hidden = draft_hidden(draft, head, out.feats, bids, bpos)
+    return hidden, labels, out.final
+
+
+def drafts_everywhere(draft, head, extractor, example: Example) -> AnswerDrafts:
+    """The drafter's block at every answer position, read against the answer."""
+    seq = example.ids
+    p0 = len(example.prompt_ids)
+    hidden, labels, final = blocks_everywhere(draft, head, extractor, example)
+    with torch.no_grad():
         accepted = accepted_drafts(hidden, labels, head)[0]
         first = head.greedy(hidden[0, :, 1])                            # [nb] drafts at k = 1
-        top = head.logits(out.final[0, p0: len(seq) - 1]).softmax(-1).topk(2, dim=-1)  # [nb, 2]
+        top = head.logits(final[0, p0: len(seq) - 1]).softmax(-1).topk(2, dim=-1)  # [nb, 2]
     return AnswerDrafts(accepted.tolist(), top.indices[:, 0].tolist(), top.values[:, 0].tolist(),
                         (first == top.indices[:, 1]).tolist())
 

@@ -345,10 +345,22 @@ def end_to_end(model_dir: Path, drafters: list[str], max_tokens: int, log_dir: P
 
 
 def stack_system(spec: str, log_dir: Path) -> tuple[str, StackClient]:
-    """'DRAFTER' or 'DRAFTER:DRAFT_DTYPE' (e.g. dflash:float32) -> (its label, its stack)."""
-    drafter, _, dtype = spec.partition(":")
-    label = f"dflash up --drafter {drafter}" + (f" --draft-dtype {dtype}" if dtype else "")
-    return label, StackClient(drafter, log_dir, draft_dtype=dtype)
+    """A system spec (system_options) -> (its label, its stack)."""
+    label, drafter, options = system_options(spec)
+    return label, StackClient(drafter, log_dir, **options)
+
+
+def system_options(spec: str) -> tuple[str, str, dict]:
+    """'DRAFTER[:DRAFT_DTYPE][,tree=N][,block=B]' (e.g. dflash:float32, dflash,tree=15,block=16)
+    -> (its label, the drafter, its further StackOptions)."""
+    head, *opts = spec.split(",")
+    drafter, _, dtype = head.partition(":")
+    extra = dict(o.split("=", 1) for o in opts)
+    tree, block = int(extra.get("tree", 0)), int(extra.get("block", 0))
+    label = (f"dflash up --drafter {drafter}" + (f" --draft-dtype {dtype}" if dtype else "")
+             + (f" --spec-tree-nodes {tree}" if tree else "")
+             + (f" --block-size {block}" if block else ""))
+    return label, drafter, {"draft_dtype": dtype, "spec_tree_nodes": tree, "block_size": block}
 
 
 def median_run(rounds: list[dict]) -> dict:
@@ -436,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--overhead-max-tokens", type=int, default=32)
     p.add_argument("--min-requests", type=int, default=4, help="requests per level at least")
     p.add_argument("--e2e-drafters", nargs="*", default=[],
-                   help="drafters for `dflash up`, each DRAFTER or DRAFTER:DRAFT_DTYPE (default: "
+                   help="drafters for `dflash up`, each DRAFTER[:DRAFT_DTYPE][,tree=N][,block=B] (default: "
                         "the launcher's default, and none)")
     p.add_argument("--e2e-max-tokens", type=int, default=128)
     p.add_argument("--e2e-rounds", type=int, default=3,

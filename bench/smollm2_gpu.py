@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.gateway_cpu import Services, grpc_generate, transformers_run
+from bench.gateway_cpu import Services, grpc_generate, system_options, transformers_run
 
 
 def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir: Path,
@@ -25,7 +25,8 @@ def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir:
     """One request at a time through the gateway's gRPC API (streamed; the GPU image has no
     `openai` package), greedy, prefill included."""
     runs, outputs = [], []
-    with Services(drafter, log_dir / f"e2e-{drafter}", **options) as svc:
+    tag = "-".join([drafter, *(str(v) for v in options.values() if v)]).replace("/", "_")
+    with Services(drafter, log_dir / f"e2e-{tag}", **options) as svc:
         address = f"127.0.0.1:{svc.opts.port}"
         grpc_generate(address, ids[0], 8)                          # warm-up
         for prompt in ids:
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backend", default="triton")
+    ap.add_argument("--systems", nargs="+", default=["dflash", "none"],
+                    help="our stacks, each DRAFTER[:DRAFT_DTYPE][,tree=N][,block=B] (the last "
+                         "autoregressive one, 'none', is the identity reference)")
     ap.add_argument("--no-transformers", action="store_true",
                     help="only our two stacks (e.g. to rerun them with another drafter)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp") + "/smollm2_gpu.json")
@@ -87,10 +91,11 @@ def main(argv: list[str] | None = None) -> None:
                    model_dir=str(model_dir))
     out = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="bench-smollm2-") as tmp:
-        for drafter in ("dflash", "none"):
-            r = grpc_stack_run(drafter, ids, args.max_tokens, Path(tmp), **options)
-            result["systems"][f"dflash up --drafter {drafter}"] = r
-            print(json.dumps({drafter: summary(r["runs"], kinds)}), flush=True)
+        for spec in args.systems:
+            label, drafter, more = system_options(spec)
+            r = grpc_stack_run(drafter, ids, args.max_tokens, Path(tmp), **options, **more)
+            result["systems"][label] = r
+            print(json.dumps({label: summary(r["runs"], kinds)}), flush=True)
             out.write_text(json.dumps(result) + "\n")          # partial results survive a timeout
     for cache in () if args.no_transformers else ("", "static"):
         r = transformers_run(model_dir, ids, args.max_tokens, device=args.device,

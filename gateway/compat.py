@@ -15,6 +15,7 @@ class Decision:
     notes: list[str] = field(default_factory=list)      # adjustments worth a log line
     block_size: int = 1                                  # default verify block (anchor + drafts)
     max_block_size: int = 1
+    tree_nodes: int = 0                                  # greedy requests' tree size (0 = chains)
 
     @property
     def ok(self) -> bool:
@@ -42,9 +43,9 @@ def check_target(caps: target_pb2.TargetCapabilities, local_tokenizer_hash: str)
 
 
 def check_pair(target: target_pb2.TargetCapabilities, draft: draft_pb2.DraftCapabilities,
-               requested_block: int) -> Decision:
+               requested_block: int, requested_tree: int = 0) -> Decision:
     """Draft vs target. The block size is the requested one, else the draft's trained one,
-    clamped to what both sides allow."""
+    clamped to what both sides allow; so is the tree size (0 where either side has no trees)."""
     problems = _pair_problems(target, draft)
     max_block = min(target.max_block_size, draft.max_block_size or target.max_block_size)
     block = requested_block or draft.block_size or max_block
@@ -53,7 +54,12 @@ def check_pair(target: target_pb2.TargetCapabilities, draft: draft_pb2.DraftCapa
         notes.append(f"block size {block} clamped to {max_block} (target max_block_size "
                      f"{target.max_block_size}, draft max_block_size {draft.max_block_size})")
         block = max_block
-    return Decision(problems, notes, max(1, block), max(1, max_block))
+    tree = min(requested_tree, target.max_tree_nodes, draft.max_tree_nodes)
+    if tree < requested_tree:
+        notes.append(f"tree of {requested_tree} drafts clamped to {tree} (target max_tree_nodes "
+                     f"{target.max_tree_nodes}, draft max_tree_nodes {draft.max_tree_nodes}; "
+                     f"0 = chains)")
+    return Decision(problems, notes, max(1, block), max(1, max_block), tree)
 
 
 def autoregressive(target: target_pb2.TargetCapabilities) -> Decision:

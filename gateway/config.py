@@ -25,6 +25,7 @@ class GatewayConfig:
     http_port: int = 8000                # OpenAI-compatible HTTP API + /metrics (0 = off)
     block_size: int = 0                  # default verify block; 0 = the draft's trained block size
     spec_disable_batch_size: int = 0     # above this many running requests: no drafting (0 = never)
+    spec_tree_nodes: int = 0             # greedy requests: a tree of this many drafts (0 = a chain)
     model_name: str = ""                 # name served on the API; "" = the target's model_id
     startup_timeout_s: float = 600.0     # target SERVING + compatible within this, else exit 1 (0 = wait forever)
     backoff_initial_s: float = 0.1       # reconnect backoff of the health watches
@@ -63,6 +64,9 @@ class GatewayConfig:
             raise ValueError("--keepalive-s must be >= 10: the services reject pings more often")
         if self.block_size < 0 or self.max_running < 1 or self.max_waiting < 0:
             raise ValueError("--block-size must be >= 0, --max-running >= 1, --max-waiting >= 0")
+        if self.spec_tree_nodes < 0:
+            raise ValueError(f"--spec-tree-nodes must be >= 0 (0 = chains), got "
+                             f"{self.spec_tree_nodes}")
         if self.spec_disable_batch_size < 0:
             raise ValueError(f"--spec-disable-batch-size must be >= 0 (0 = always draft), got "
                              f"{self.spec_disable_batch_size}")
@@ -86,6 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flags.add(p, "--spec-disable-batch-size", 0, int,
               "above this many running requests, steps verify one token without drafting (the "
               "draft's features are kept for later); 0 = always draft")
+    flags.add(p, "--spec-tree-nodes", 0, int,
+              "greedy requests draft a tree of this many nodes (the likeliest prefixes of the "
+              "block) and the target verifies it in one forward; 0 = a chain of block - 1 drafts. "
+              "Clamped to what the target and draft allow")
     flags.add(p, "--model-name", "", str, "model name on the API (default: the target's model_id)")
     flags.add(p, "--startup-timeout", 600.0, float, "seconds for the target to be ready (0 = forever)")
     flags.add(p, "--backoff-initial", 0.1, float, "first reconnect delay of the health watches (s)")
@@ -125,7 +133,7 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         target=args.target, tokenizer_dir=args.tokenizer, draft=args.draft, host=args.host,
         port=args.port, http_port=args.http_port, block_size=args.block_size,
         spec_disable_batch_size=args.spec_disable_batch_size,
-        model_name=args.model_name, startup_timeout_s=args.startup_timeout,
+        spec_tree_nodes=args.spec_tree_nodes, model_name=args.model_name, startup_timeout_s=args.startup_timeout,
         backoff_initial_s=args.backoff_initial, backoff_max_s=args.backoff_max,
         prefill_timeout_s=args.prefill_timeout, step_timeout_s=args.step_timeout, wire=args.wire,
         max_message_mib=args.max_message_mib, keepalive_s=args.keepalive_s,

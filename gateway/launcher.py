@@ -57,6 +57,7 @@ class StackOptions:
     draft_model: str = ""              # dflash: checkpoint dir ("" = the shipped one for SmolLM2)
     block_size: int = 0
     spec_disable_batch_size: int = -1  # gateway's; -1 = CPU_SPEC_DISABLE_BATCH for dflash on the CPU, else 0
+    spec_tree_nodes: int = 0           # gateway's --spec-tree-nodes (greedy requests; 0 = chains)
     wire: str = ""                     # gateway --wire ("" = its default)
     log_dir: str = ""
     ready_timeout_s: float = 600.0
@@ -149,6 +150,7 @@ class Stack:
                 "--tokenizer", self.model_dir, "--port", port, "--http-port", http_port,
                 "--host", o.host, "--block-size", self.verify_block(),
                 "--spec-disable-batch-size", self.spec_disable_batch(),
+                "--spec-tree-nodes", o.spec_tree_nodes,
                 *(("--wire", o.wire) if o.wire else ()), *o.gateway_args, *extra]
 
     @property
@@ -330,6 +332,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-disable-batch-size", type=int, default=-1,
                    help=f"above this many running requests the gateway stops drafting (-1 = "
                         f"{CPU_SPEC_DISABLE_BATCH} for dflash on the CPU, else 0 = always draft)")
+    p.add_argument("--spec-tree-nodes", type=int, default=d.spec_tree_nodes,
+                   help="greedy requests verify a tree of this many drafts per step instead of "
+                        "a chain (gateway --spec-tree-nodes; 0 = chains)")
     p.add_argument("--wire", default="", choices=("unary", "stream"),
                    help="gateway --wire: Propose/Verify as unary RPCs or on one stream per "
                         "upstream (default: the gateway's)")
@@ -345,7 +350,7 @@ def options_from_args(args: argparse.Namespace, **overrides) -> StackOptions:
         draft_dtype=args.draft_dtype,
         drafter=args.drafter, draft_model=args.draft_model, block_size=args.block_size,
         spec_disable_batch_size=args.spec_disable_batch_size,
-        wire=args.wire, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout,
+        spec_tree_nodes=args.spec_tree_nodes, wire=args.wire, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout,
         device=args.device, attention_backend=args.attention_backend, **overrides)
 
 

@@ -3,6 +3,8 @@
     prefill: t0 = target.Prefill(seq, prompt, sampling, capture_layers)   features of the prompt
     step:    d  = draft.Propose(seq, features not sent yet, anchor, B)      B-1 draft tokens
              v  = target.Verify(seq, [anchor] + d)                           a, [d1..da, bonus]
+             (greedy requests with --spec-tree-nodes N: d is a tree of N drafts with parents,
+              and Verify commits the longest path of the target's own greedy choices in it)
     end:     Release on both services (finished, failed or cancelled)
 
 The gateway owns the request (prompt, committed output); the services hold soft state.
@@ -43,6 +45,7 @@ from gateway.request import GenerationRequest
 from gateway.state import GatewayState, Speculation
 from gateway.telemetry import RequestTelemetry
 from gateway.upstream import Upstream, UpstreamError
+from runtime.draft_tree import DraftTree, parents_problem
 
 log = logging.getLogger("dflash.gateway.loop")
 
@@ -183,20 +186,23 @@ class Generation:
     async def _step(self) -> Event:
         spec = self.state.speculation()
         block = self._block_size(spec)
-        drafts: list[int] = []
+        drafts = DraftTree([], [])
         t0 = time.perf_counter()
         if block > 1:
-            drafts = await self._propose(spec, block)
+            drafts = await self._propose(spec, block, self._tree_nodes(spec))
         t1 = time.perf_counter()
-        resp = await self._verify([self.anchor] + drafts)
+        resp = await self._verify([self.anchor] + drafts.tokens,
+                                  [] if drafts.is_chain else drafts.parents)
         t2 = time.perf_counter()
         a = resp.accepted
+        committed = list(resp.committed_tokens)
         if not self.draft_disabled:
-            self._keep_features(resp.features, [self.anchor] + drafts[:a])
+            self._keep_features(resp.features, [self.anchor] + committed[:-1])
         self.target_len = resp.seq_len
-        self._count_step(len(drafts), a)
-        event = self._deliver(list(resp.committed_tokens), accepted=a)
-        self.telemetry.step(t1 - t0 if block > 1 else None, t2 - t1, len(drafts), a)
+        n = len(drafts.tokens)
+        self._count_step(n, a)
+        event = self._deliver(committed, accepted=a)
+        self.telemetry.step(t1 - t0 if block > 1 else None, t2 - t1, n, a)
         return event
 
     def _block_size(self, spec: Speculation) -> int:
@@ -213,29 +219,41 @@ class Generation:
         wanted = self.req.block_size or spec.block_size
         return max(1, min(wanted, spec.max_block_size, self.out.remaining, room))
 
+    def _tree_nodes(self, spec: Speculation) -> int:
+        """Drafts per tree for this step: greedy requests only (a tree's exactness is the
+        target's greedy path), within the context's room; 0 = a chain."""
+        if not spec.tree_nodes or self.req.temperature > 0:
+            return 0
+        room = self.state.target_caps.max_context - self.target_len - 1
+        return max(0, min(spec.tree_nodes, room))
+
     # -- draft ---------------------------------------------------------------------------------
-    async def _propose(self, spec: Speculation, block: int) -> list[int]:
+    async def _propose(self, spec: Speculation, block: int, tree_nodes: int) -> DraftTree:
+        none = DraftTree([], [])
         for _ in range(2):               # a lost draft context is rebuilt once per step
             if self._draft_context_stale(spec) and not await self._rebuild_draft(spec):
-                return []
+                return none
             try:
                 resp = await self.state.draft.call(
-                    "Propose", self._propose_request(block), self.state.config.step_timeout_s)
+                    "Propose", self._propose_request(block, tree_nodes),
+                    self.state.config.step_timeout_s)
             except UpstreamError as e:
                 if not self._on_draft_error(e):
-                    return []
+                    return none
                 continue
             self.feed.clear()
             self.draft_pause_s = self.state.config.backoff_initial_s
-            return self._valid_drafts(resp.draft_tokens, block)
-        return []
+            if resp.draft_parents:
+                return self._valid_tree(resp, block, tree_nodes)
+            return DraftTree.chain(self._valid_drafts(resp.draft_tokens, block))
+        return none
 
-    def _propose_request(self, block: int) -> draft_pb2.ProposeRequest:
+    def _propose_request(self, block: int, tree_nodes: int) -> draft_pb2.ProposeRequest:
         self.draft_touched = True
         return draft_pb2.ProposeRequest(
             sequence_id=self.seq_id, new_features=self.feed.features(),
             positions=self.feed.positions, new_token_ids=self.feed.token_ids,
-            anchor=self.anchor, block_size=block)
+            anchor=self.anchor, block_size=block, tree_nodes=tree_nodes)
 
     def _draft_context_stale(self, spec: Speculation) -> bool:
         return (self.draft_lost or spec.generation != self.draft_generation
@@ -291,6 +309,24 @@ class Generation:
             out.append(int(t))
         return out
 
+    def _valid_tree(self, resp: draft_pb2.ProposeResponse, block: int, nodes: int) -> DraftTree:
+        """The draft's tree when it is one the target accepts (within the size asked for, ids in
+        the vocabulary, parents before children, at most block - 1 deep); else no drafts this
+        step - a draft's fault only costs speculation."""
+        tree = DraftTree([int(t) for t in resp.draft_tokens], [int(p) for p in resp.draft_parents])
+        problem = parents_problem(tree.parents, len(tree.tokens))
+        if problem is None and len(tree.tokens) > nodes:
+            problem = f"{len(tree.tokens)} drafts for a tree of {nodes}"
+        if problem is None and any(t >= self.state.target_caps.vocab_size for t in tree.tokens):
+            problem = "a draft token outside the vocabulary"
+        if problem is None and max(tree.depths()) > block - 1:
+            problem = f"deeper than the block's {block - 1} drafts"
+        if problem is not None:
+            log.warning("draft sent an unusable tree (%s); this step verifies no drafts", problem,
+                        extra=self._ids())
+            return DraftTree([], [])
+        return tree
+
     def _keep_features(self, features: common_pb2.TensorData, token_ids: list[int]) -> None:
         start = self.target_len
         self.feed.append(features if self.capture_layers else None,
@@ -320,11 +356,11 @@ class Generation:
             self.prefills += 1
             return resp
 
-    async def _verify(self, tokens: list[int]) -> target_pb2.VerifyResponse:
+    async def _verify(self, tokens: list[int], parents: list[int]) -> target_pb2.VerifyResponse:
         """A Verify is not idempotent (it appends the block), so after a failure that may have
         lost the sequence or the answer, the sequence is rebuilt with a Prefill (which replaces
         it) before Verify is sent again - never the same Verify twice."""
-        req = target_pb2.VerifyRequest(sequence_id=self.seq_id, token_ids=tokens)
+        req = target_pb2.VerifyRequest(sequence_id=self.seq_id, token_ids=tokens, parents=parents)
         recovery = Recovery(self.state.config)
         while True:
             try:

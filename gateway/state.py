@@ -32,6 +32,7 @@ class Speculation:
     block_size: int                  # default block (anchor + drafts)
     max_block_size: int
     generation: int                  # the draft's capabilities generation (changes on restart)
+    tree_nodes: int = 0              # greedy requests: drafts per tree (0 = a chain)
 
     @property
     def capture_layers(self) -> list[int]:
@@ -88,7 +89,7 @@ class GatewayState:
         if self.draft_ok and self.draft is not None:
             d = self.decision
             return Speculation(self.draft.capabilities, d.block_size, d.max_block_size,
-                               self.draft.generation)
+                               self.draft.generation, d.tree_nodes)
         caps = self.target_caps
         return Speculation(None, 1, caps.max_block_size if caps else 1, 0)
 
@@ -151,7 +152,8 @@ class GatewayState:
             self.decision, self.draft_ok = compat.autoregressive(tcaps), False
             return True, "serving (autoregressive: no draft configured)"
         if d.serving and d.capabilities is not None:
-            decision = compat.check_pair(tcaps, d.capabilities, self.config.block_size)
+            decision = compat.check_pair(tcaps, d.capabilities, self.config.block_size,
+                                         self.config.spec_tree_nodes)
             if decision != self.decision:
                 for note in decision.notes:
                     log.info("draft/target: %s", note)
@@ -161,7 +163,8 @@ class GatewayState:
                 return False, "draft refused: " + "; ".join(decision.problems)
             if not self.draft_seen:
                 log.info("speculative decoding on", extra={
-                    "drafter": d.capabilities.drafter_kind, "block_size": decision.block_size})
+                    "drafter": d.capabilities.drafter_kind, "block_size": decision.block_size,
+                    "tree_nodes": decision.tree_nodes})
             self.draft_seen = True
             return True, f"serving (speculative, block size {decision.block_size})"
         self.draft_ok = False

@@ -77,5 +77,17 @@ class PagedKVCache:
 
     def slots(self, table: PageTable, start: int, end: int) -> list[int]:
         """Flat slot ids of positions [start, end) (pages must already exist)."""
+        return self.slots_of(table, range(start, end))
+
+    def copy_positions(self, table: PageTable, src: list[int], dst: list[int]) -> None:
+        """K/V of positions src[i] -> positions dst[i], every layer (a verified tree's accepted
+        path moved into place). All sources are read before any destination is written."""
+        s = torch.tensor(self.slots_of(table, src), device=self.k.device)
+        d = torch.tensor(self.slots_of(table, dst), device=self.k.device)
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]
+
+    def slots_of(self, table: PageTable, positions) -> list[int]:
+        """Flat slot ids of the given positions (pages must already exist)."""
         ps = self.page_size
-        return [table.pages[p // ps] * ps + p % ps for p in range(start, end)]
+        return [table.pages[p // ps] * ps + p % ps for p in positions]

@@ -17,6 +17,7 @@ from support.draft_service import SERVICE, propose_request, start_draft
 from support.procs import free_port, health_status, start_target
 
 from dflash.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from runtime.draft_tree import DraftTree, best_prefixes, parents_problem
 from runtime.models.dflash import TargetFingerprint
 from services.common import tensor_codec
 from services.draft.make_random import make_random_drafter
@@ -192,6 +193,37 @@ def test_drafts_over_real_target_features_match_a_from_scratch_forward(
             assert list(d2.draft_tokens) == ref.drafts(ref.block_hidden(context, anchor, 16))
     finally:
         target.stop()
+
+
+def test_tree_propose_is_the_likeliest_prefixes_of_the_reference_block(
+        stub, service, smol_draft, smollm2_dir):
+    """tree_nodes N: N drafts with parents, each path among the N likeliest prefixes of the
+    block's per-position distributions of the from-scratch reference."""
+    ref = ReferenceDFlash(smol_draft, smollm2_dir)
+    context, n = feats(24, seed=5), 12
+    req = propose_request("tree", context, 0, 42)
+    req.tree_nodes = n
+    d = stub.Propose(req, timeout=30)
+    tree = DraftTree(list(d.draft_tokens), list(d.draft_parents))
+    assert len(tree.tokens) == n and parents_problem(tree.parents, n) is None
+    assert max(tree.depths()) <= 15
+    logp = torch.log_softmax(ref.block_hidden(context, 42, 16)[1:] @ ref.lm_head.t(), -1)
+    score = [0.0]                                       # each node's summed log-probability
+    for i, (t, p) in enumerate(zip(tree.tokens, tree.parents), start=1):
+        score.append(score[p] + float(logp[tree.depths()[i] - 1, t]))
+    top = logp.topk(n)
+    best = best_prefixes(top.values.tolist(), n)
+    nth = min(sum(top.values[i, r].item() for i, r in enumerate(ranks)) for ranks in best)
+    assert min(score[1:]) >= nth - 1e-3
+    stub.Release(common_pb2.ReleaseRequest(sequence_id="tree"), timeout=10)
+    caps = stub.GetCapabilities(common_pb2.GetCapabilitiesRequest(), timeout=10)
+    assert caps.max_tree_nodes == 255
+    big = propose_request("tree2", feats(4), 0, 42)
+    big.tree_nodes = 256
+    expect_error(lambda: stub.Propose(big, timeout=10), INVALID, "tree_nodes 256", "up to 255")
+    one = propose_request("tree3", feats(4), 0, 42, block_size=1)
+    one.tree_nodes = 4
+    expect_error(lambda: stub.Propose(one, timeout=10), INVALID, "block_size 1", "at least 2")
 
 
 def test_metrics(service, stub):

@@ -31,6 +31,11 @@ N = 48
 # floor sits under it, well above what a random drafter reaches (~1.0) and above the first
 # shipped drafter (1.59), so losing the trained weights or falling back to the first ones fails.
 TAU_FLOOR = 2.0
+# A tree of 63 drafts (greedy, block 16): measured 3.59 on these prompts; over the held-out
+# prompts 3.5 / 3.2 where the chain reaches 2.4 / 2.2 (docs/benchmarks.md, eighteenth finding).
+# The floor sits above anything the chain reaches here, so a tree that silently fell back to a
+# chain fails.
+TREE_TAU_FLOOR = 2.8
 
 
 def test_shipped_drafter_matches_its_config_and_target(smollm2_dir):
@@ -47,13 +52,17 @@ def test_shipped_drafter_matches_its_config_and_target(smollm2_dir):
 
 
 @pytest.mark.slow
-def test_shipped_drafter_is_accepted_and_exact_through_the_stack(smollm2_dir, tmp_path):
+@pytest.mark.parametrize("tree_nodes, floor", [(0, TAU_FLOOR), (63, TREE_TAU_FLOOR)])
+def test_shipped_drafter_is_accepted_and_exact_through_the_stack(smollm2_dir, tmp_path,
+                                                                 tree_nodes, floor):
+    """tree_nodes 0: the chain of block 16; 63: each greedy step verifies a tree of 63 drafts."""
     tok = ChatTokenizer(smollm2_dir)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
                for p in PROMPTS]
     target = start_target(smollm2_dir, tmp_path)
     draft = start_draft(smollm2_dir, tmp_path, model_dir=SHIPPED)
-    gw = start_gateway(target.address, smollm2_dir, tmp_path, draft=draft.address)
+    gw = start_gateway(target.address, smollm2_dir, tmp_path, "--spec-tree-nodes",
+                       str(tree_nodes), draft=draft.address)
     try:
         reference = GreedyReference(smollm2_dir)
         steps = accepted = 0
@@ -69,6 +78,6 @@ def test_shipped_drafter_is_accepted_and_exact_through_the_stack(smollm2_dir, tm
         for p in (gw, draft, target):
             p.stop()
     tau = 1 + accepted / max(1, steps)
-    print(f"shipped drafter through the stack: {steps} drafting steps, {accepted} accepted, "
-          f"tau {tau:.2f}")
-    assert tau >= TAU_FLOOR
+    print(f"shipped drafter through the stack, tree nodes {tree_nodes}: {steps} drafting steps, "
+          f"{accepted} accepted, tau {tau:.2f}")
+    assert tau >= floor

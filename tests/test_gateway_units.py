@@ -91,6 +91,16 @@ def test_block_size_clamped_to_target_max_with_a_note():
     assert d.ok and d.block_size == 4 and "clamped" in d.notes[0]
 
 
+def test_tree_size_is_what_both_sides_allow():
+    both = compat.check_pair(target_caps(max_tree_nodes=255), draft_caps(max_tree_nodes=100), 0, 63)
+    assert both.ok and both.tree_nodes == 63 and not both.notes
+    small = compat.check_pair(target_caps(max_tree_nodes=31), draft_caps(max_tree_nodes=100), 0, 63)
+    assert small.tree_nodes == 31 and "clamped to 31" in small.notes[0]
+    chains = compat.check_pair(target_caps(max_tree_nodes=255), draft_caps(), 0, 63)
+    assert chains.ok and chains.tree_nodes == 0 and "draft max_tree_nodes 0" in chains.notes[0]
+    assert compat.check_pair(target_caps(), draft_caps(), 0).tree_nodes == 0
+
+
 @pytest.mark.parametrize("target_kw,draft_kw,words", [
     ({"vocab_size": 2000}, {}, ["vocabulary", "1000", "2000"]),
     ({"hidden_size": 128, "vocab_size": 1000}, {"target": common_pb2.ModelFingerprint()},

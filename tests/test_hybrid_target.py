@@ -101,6 +101,21 @@ def test_capabilities_report_hybrid_commit_and_state_slots(hybrid_dir, logs, ser
         assert refused.stop() == 0
 
 
+def test_a_hybrid_target_verifies_chains_only(server):
+    """Its recurrent state follows one path: no trees (max_tree_nodes 0), a tree Verify is
+    refused saying so, and the sequence goes on with chains."""
+    client = TargetClient(server.address)
+    try:
+        assert client.capabilities().max_tree_nodes == 0
+        first = client.prefill("tree", PROMPT).next_token
+        expect_status(lambda: client.verify("tree", [first, 5, 6], [0, 0]),
+                      grpc.StatusCode.INVALID_ARGUMENT, "chains only", "hybrid")
+        assert len(client.verify("tree", [first, 5]).committed_tokens) >= 1
+        client.release("tree")
+    finally:
+        client.close()
+
+
 def test_state_slots_run_out_and_nothing_leaks(hybrid_dir, logs):
     """3 state slots, 2 of them with verify states: a 4th Prefill is RESOURCE_EXHAUSTED (every
     time, holding nothing); the 3rd sequence can verify 1-token blocks only."""

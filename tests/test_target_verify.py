@@ -24,7 +24,7 @@ from runtime.kv_cache import PageTable
 from runtime.sampling import SamplingConfig, rejection_accept, target_probs
 from services.common.engine_loop import Work
 from services.common.tensor_codec import decode
-from services.target.engine import PrefillCall, TargetEngine
+from services.target.engine import PrefillCall, TargetEngine, VerifyCall
 
 VOCAB = 256
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 18, 64, 5, 77, 120]
@@ -171,9 +171,9 @@ def test_calls_of_one_sequence_in_flight_together_run_in_order(model_dir):
         ref = work("prefill", "ref", PrefillCall("ref", prompt, SamplingConfig(), (), torch.float32), 120)
         g = [step((ref, 120))[0].next_token]
         for _ in range(3):
-            g += step((work("verify", "ref", [g[-1]], 1), 1))[0].committed
+            g += step((work("verify", "ref", VerifyCall([g[-1]]), 1), 1))[0].committed
         p = work("prefill", "dup", PrefillCall("dup", prompt, SamplingConfig(), (), torch.float32), 120)
-        v1, v2 = work("verify", "dup", [g[0]], 1), work("verify", "dup", [g[1]], 1)
+        v1, v2 = work("verify", "dup", VerifyCall([g[0]]), 1), work("verify", "dup", VerifyCall([g[1]]), 1)
         assert step((p, 64)) == [None]                     # first chunk
         assert step((v1, 1), (v2, 1), (p, 56))[:2] == [None, None]   # both wait for the prefill
         assert p.future.result().next_token == g[0]
@@ -184,7 +184,7 @@ def test_calls_of_one_sequence_in_flight_together_run_in_order(model_dir):
         # A Release behind a Verify of its sequence in one iteration waits for that forward
         # (found by the soak test: releasing first freed the pages the Verify was about to use,
         # and the forward failed with INTERNAL).
-        v3, rel = work("verify", "dup", [g[2]], 1), work("release", "dup", None, 0)
+        v3, rel = work("verify", "dup", VerifyCall([g[2]]), 1), work("release", "dup", None, 0)
         r3, gone = step((v3, 1), (rel, 0))
         assert (r3.committed, gone) == ([g[3]], None)
         assert step((rel, 0)) == [True] and "dup" not in engine.seqs

@@ -15,8 +15,10 @@ from runtime.kv_cache import PagedKVCache, PageTable  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _run_both(specs, nh, nkv, hd, page, causal, window, dtype=torch.float32, seed=0):
-    """specs: [(prefix_len, q_len)] per sequence. Returns (torch_out, triton_out, cache_equal)."""
+def _run_both(specs, nh, nkv, hd, page, causal, window, dtype=torch.float32, seed=0, trees=None):
+    """specs: [(prefix_len, q_len)] per sequence; trees: per sequence a tree mask or None.
+    Returns (torch_out, triton_out, cache_equal)."""
+    trees = trees or [None] * len(specs)
     g = torch.Generator().manual_seed(seed)
     pages = sum(-(-(p + q) // page) for p, q in specs) + 2
     outs, caches = [], []
@@ -29,8 +31,9 @@ def _run_both(specs, nh, nkv, hd, page, causal, window, dtype=torch.float32, see
             t = PageTable()
             cache.ensure(t, p + q)
             tables.append(t)
-        meta = AttentionMetadata.build([SeqSlice(t, p, q) for t, (p, q) in zip(tables, specs)],
-                                       cache, causal=causal, device=DEVICE)
+        meta = AttentionMetadata.build(
+            [SeqSlice(t, p, q, tree) for t, (p, q), tree in zip(tables, specs, trees)],
+            cache, causal=causal, device=DEVICE)
         n = meta.num_tokens
         q = torch.randn(n, nh, hd, generator=g).to(dtype).to(DEVICE)
         k = torch.randn(n, nkv, hd, generator=g).to(dtype).to(DEVICE)
@@ -51,6 +54,28 @@ def test_mixed_batch_matches_torch(causal, window, nh, nkv):
     ref, tri, same_cache = _run_both(specs, nh, nkv, 32, 8, causal, window)
     assert same_cache
     assert (ref - tri).abs().max().item() < 1e-4
+
+
+def random_tree_mask(n: int, seed: int) -> torch.Tensor:
+    """The ancestor mask of a random tree of n - 1 drafts under an anchor."""
+    import random
+
+    from runtime.draft_tree import DraftTree
+    rng = random.Random(seed)
+    return DraftTree([0] * (n - 1), [rng.randrange(i + 1) for i in range(n - 1)]).ancestor_mask()
+
+
+@pytest.mark.parametrize("nh,nkv", [(4, 4), (8, 2)])
+def test_tree_masks_match_torch(nh, nkv):
+    """Sequences verifying trees of drafts (one wider than 32 nodes: two mask words) batched with
+    a chain, a decode step and a prefill chunk."""
+    specs = [(13, 8), (0, 7), (21, 1), (5, 40), (9, 16)]
+    trees = [random_tree_mask(8, 1), None, None, random_tree_mask(40, 2), random_tree_mask(16, 3)]
+    ref, tri, same_cache = _run_both(specs, nh, nkv, 32, 8, True, None, trees=trees)
+    assert same_cache
+    assert (ref - tri).abs().max().item() < 1e-4
+    chain, _, _ = _run_both(specs, nh, nkv, 32, 8, True, None)
+    assert (chain - ref).abs().max().item() > 1e-3           # the masks did change the result
 
 
 def test_pages_cross_blocks_and_long_prefix():

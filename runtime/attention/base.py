@@ -18,6 +18,7 @@ class AttentionBackend(ABC):
     """
 
     name: str = "base"
+    supports_trees: bool = False     # reads meta.tree_masks (a verified tree of drafts)
 
     def __init__(self, cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float) -> None:

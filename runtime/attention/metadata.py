@@ -10,10 +10,13 @@ from runtime.kv_cache import PageTable, PagedKVCache
 
 @dataclass(frozen=True)
 class SeqSlice:
-    """One sequence's part of a forward: q_len new tokens appended after prefix_len cached ones."""
+    """One sequence's part of a forward: q_len new tokens appended after prefix_len cached ones.
+    tree (a verified tree of drafts, runtime/draft_tree.py): bool [q_len, q_len], which new
+    tokens each new token sees (its ancestors and itself) instead of every earlier one."""
     table: PageTable
     prefix_len: int
     q_len: int
+    tree: torch.Tensor | None = None
 
 
 @dataclass
@@ -26,6 +29,8 @@ class AttentionMetadata:
     page_tables    int64 [bs, P]   padded with page 0 (on the device)
     page_lists     the same page ids as host lists (planning without a device sync)
     causal         causal inside the new tokens (target); False = bidirectional block (draft)
+    tree_masks     per sequence, its SeqSlice.tree (None: no sequence verifies a tree); only
+                   backends with supports_trees read it
     """
     slot_mapping: torch.Tensor
     q_lens: list[int]
@@ -34,6 +39,7 @@ class AttentionMetadata:
     page_size: int
     page_lists: list[list[int]]
     causal: bool = True
+    tree_masks: list[torch.Tensor | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -71,4 +77,5 @@ class AttentionMetadata:
             page_size=cache.page_size,
             page_lists=[list(s.table.pages) for s in seqs],
             causal=causal,
+            tree_masks=[s.tree for s in seqs] if any(s.tree is not None for s in seqs) else None,
         )

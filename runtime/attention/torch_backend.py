@@ -10,6 +10,7 @@ from runtime.attention.metadata import AttentionMetadata
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_trees = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
@@ -19,7 +20,8 @@ class TorchAttentionBackend(AttentionBackend):
         pos = torch.arange(max_kv, device=meta.page_tables.device)
         pages = meta.page_tables[:, (pos // ps).clamp(max=meta.page_tables.shape[1] - 1)]
         self._kv_index = pages * ps + pos % ps                                  # [bs, max_kv]
-        self._uniform = len(set(meta.q_lens)) == 1 and len(set(kv_lens)) == 1
+        self._uniform = (len(set(meta.q_lens)) == 1 and len(set(kv_lens)) == 1
+                         and meta.tree_masks is None)
         # (prefix, q_len, causal, window) -> mask: built once per forward, not once per layer
         self._masks: dict[tuple[int, int, bool, int | None], torch.Tensor | None] = {}
         self._offsets = meta.cu_q_lens
@@ -51,10 +53,12 @@ class TorchAttentionBackend(AttentionBackend):
         if self._uniform:
             return self._forward_uniform(q, kc, vc, causal, window)
         out = torch.empty_like(q)
+        trees = meta.tree_masks or [None] * meta.batch_size
         for i, (prefix, q_len) in enumerate(zip(meta.prefix_lens, meta.q_lens)):
             lo, hi = self._offsets[i], self._offsets[i + 1]
             idx = self._kv_index[i, : prefix + q_len]
-            mask = self._mask(prefix, q_len, causal, window)
+            mask = (self._mask(prefix, q_len, causal, window) if trees[i] is None
+                    else _tree_mask(trees[i], prefix, window).to(q.device))
             out[lo:hi] = self._sdpa(q[None, lo:hi], kc[idx][None], vc[idx][None], mask)[0]
         return out
 
@@ -73,3 +77,15 @@ class TorchAttentionBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.num_kv_heads != self.num_heads)
         return out.transpose(1, 2)
+
+
+def _tree_mask(tree: torch.Tensor, prefix: int, window: int | None) -> torch.Tensor:
+    """tree bool [q, q] (ancestors and self) -> bool [q, prefix+q]: every cached key, then the
+    node's ancestors; a window counts positions, and a node sits at prefix + its depth."""
+    q = tree.shape[0]
+    mask = torch.cat([torch.ones(q, prefix, dtype=torch.bool), tree], dim=1)
+    if window is not None:
+        depth = tree.sum(-1) - 1                                        # [q]
+        kpos = torch.cat([torch.arange(prefix), prefix + depth])        # [prefix+q]
+        mask &= kpos[None, :] > (prefix + depth)[:, None] - window
+    return mask

@@ -1,5 +1,5 @@
-"""Triton backend: paged attention for prefill chunks, verify blocks (causal) and the draft's
-bidirectional block, one kernel launch per layer for the whole batch."""
+"""Triton backend: paged attention for prefill chunks, verify blocks (causal, or a tree of
+drafts) and the draft's bidirectional block, one kernel launch per layer for the whole batch."""
 from __future__ import annotations
 
 import torch
@@ -14,8 +14,22 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def tree_bits(meta: AttentionMetadata) -> torch.Tensor:
+    """int64 [T, W]: per new token, bit j (of word j // 32) set where it sees new token j of its
+    sequence - its tree mask, or every earlier token for a sequence without a tree."""
+    width = -(-max(meta.q_lens) // 32)
+    rows = []
+    for q_len, tree in zip(meta.q_lens, meta.tree_masks):
+        mask = tree if tree is not None else torch.ones(q_len, q_len, dtype=torch.bool).tril()
+        padded = torch.zeros(q_len, width * 32, dtype=torch.int64)
+        padded[:, :q_len] = mask.to(torch.int64)
+        rows.append((padded.view(q_len, width, 32) << torch.arange(32)).sum(-1))
+    return torch.cat(rows)
+
+
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_trees = True
     BLOCK_N = 32
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -24,12 +38,15 @@ class TritonAttentionBackend(AttentionBackend):
         self.bind(torch.tensor(meta.cu_q_lens, dtype=torch.int32, device=device),
                   torch.tensor(meta.prefix_lens, dtype=torch.int32, device=device),
                   meta.page_tables.to(torch.int32), max(meta.q_lens))
+        if meta.tree_masks is not None:
+            self._tree = tree_bits(meta).to(device)
 
     def bind(self, cu_q: torch.Tensor, prefix: torch.Tensor, tables: torch.Tensor,
              max_q_len: int) -> None:
         """Point the kernel at these device buffers (CUDA graphs bind static ones once and
         refill them before each replay). cu_q int32 [bs+1], prefix int32 [bs], tables int32 [bs, P]."""
         self._cu_q, self._prefix, self._tables = cu_q, prefix, tables
+        self._tree: torch.Tensor | None = None
         group = self.num_heads // self.num_kv_heads
         rows = max_q_len * group
         self._block_m = max(16, min(64, _next_pow2(rows)))
@@ -38,15 +55,20 @@ class TritonAttentionBackend(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
                ) -> torch.Tensor:
         meta = self.meta
+        tree = self._tree
+        if tree is not None and (window or not causal):
+            raise ValueError("a tree of drafts is verified by causal layers without a window "
+                             "(target models); this layer has a window or is bidirectional")
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         q = q.to(kc.dtype).contiguous()
         out = torch.empty_like(q)
         paged_block_attention[self._grid](
             q, kc, vc, out, self._cu_q, self._prefix, self._tables,
+            tree if tree is not None else self._cu_q,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
-            self._tables.stride(0), self.scale,
+            self._tables.stride(0), tree.stride(0) if tree is not None else 0, self.scale,
             GROUP=self.num_heads // self.num_kv_heads, D=self.head_dim, PAGE=meta.page_size,
             BLOCK_M=self._block_m, BLOCK_N=self.BLOCK_N, CAUSAL=causal, WINDOW=window or 0,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TREE=tree is not None,
         )
         return out

@@ -13,6 +13,9 @@ Keys are walked in BLOCK_N steps through the page table with an online softmax (
   CAUSAL:  query at position prefix+i sees keys <= prefix+i (else all prefix+q_len keys);
   WINDOW > 0 also limits it to keys > prefix+i-WINDOW. PRECISION: "ieee" for fp32 inputs (exact
   tests), "tf32" otherwise (ignored for 16-bit inputs).
+  TREE:    tree int64 [T, W]: bit j of word j // 32 of a new token's row set where it sees new
+           token j of its sequence (a verified tree of drafts: its ancestors and itself; parents
+           come first, so this stays within the causal bound). Cached keys are all visible.
 """
 import triton
 import triton.language as tl
@@ -20,12 +23,12 @@ import triton.language as tl
 
 @triton.jit
 def paged_block_attention(
-    q, k, v, out, cu_q, prefix, tables,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
+    q, k, v, out, cu_q, prefix, tables, tree,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb, stride_tree,
     scale,
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, TREE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -67,6 +70,13 @@ def paged_block_attention(
                 ok = ok & (kpos[None, :] <= qpos[:, None])
             if WINDOW > 0:
                 ok = ok & (kpos[None, :] > qpos[:, None] - WINDOW)
+            if TREE:
+                j = tl.where(kpos >= pre, kpos - pre, 0)              # new-token index of a key
+                new = (kpos >= pre) & k_ok
+                word = tl.load(tree + (q_lo + tok)[:, None] * stride_tree + (j // 32)[None, :],
+                               mask=row_ok[:, None] & new[None, :], other=0)
+                seen = ((word >> (j % 32).to(tl.int64)[None, :]) & 1) != 0
+                ok = ok & (~new[None, :] | seen)
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

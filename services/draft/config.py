@@ -21,6 +21,7 @@ class DraftConfig:
     kv_budget_bytes: int = 256 << 20   # context KV pages
     page_size: int = 16
     max_block_size: int = 0            # 0 = the drafter's block size
+    max_tree_nodes: int = 255          # dflash: draft nodes a tree Propose may ask for (0 = chains)
     block_size: int = 8                # prompt lookup: the advertised block size
     max_ngram: int = 4                 # prompt lookup: longest suffix n-gram tried
     min_ngram: int = 1
@@ -46,6 +47,9 @@ class DraftConfig:
                              f"allowed: {list(FEATURE_DTYPES)}")
         if self.page_size < 1 or self.block_size < 1 or self.max_block_size < 0:
             raise ValueError("page_size and block_size must be >= 1, max_block_size >= 0")
+        if self.max_tree_nodes < 0:
+            raise ValueError(f"max_tree_nodes must be >= 0 (0 = chains only), got "
+                             f"{self.max_tree_nodes}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, "
                              f"{self.max_ngram}")

@@ -6,7 +6,10 @@ Per engine iteration, over all sequences of the batch:
   2. block: [anchor, MASK x (B-1)] at positions L..L+B-1 attends over context + block
      (causal=False; sliding layers causal with their window). The block's K/V go to the slots
      past the context and are dropped afterwards (trim): only committed context stays.
-  3. drafts = argmax of the target LM head over block positions 1..B-1."""
+  3. drafts = argmax of the target LM head over block positions 1..B-1; or, for a Propose that
+     asks for a tree of N drafts, the N likeliest prefixes of the block's per-position
+     distributions (runtime/draft_tree.py: best_tree), from each position's TREE_TOP_K
+     likeliest tokens."""
 from __future__ import annotations
 
 import logging
@@ -19,6 +22,7 @@ from runtime.attention.base import AttentionBackend
 from runtime.attention.metadata import AttentionMetadata, SeqSlice
 from runtime.attention.registry import backend_class
 from runtime.config import default_model_id, parse_dtype
+from runtime.draft_tree import DraftTree, best_tree
 from runtime.kv_cache import PagedKVCache
 from runtime.models.dflash import (
     DFlashConfig,
@@ -33,12 +37,17 @@ from services.draft.config import AUTO_DTYPE, DraftConfig
 from services.draft.drafter import Drafter, DrafterFacts, DrafterRefused, ProposeItem
 
 log = logging.getLogger("dflash.draft.dflash")
+TREE_TOP_K = 16                     # candidates per block position a tree is built from
 
 
 @dataclass
 class BlockOutput:
-    drafts: list[list[int]]         # per item, B-1 tokens ([] for B = 1)
+    drafts: list[list[int]]         # per item, B-1 tokens ([] for B = 1); a tree's tokens
     hidden: torch.Tensor | None     # [sum of B over items with B > 1, H] after the final norm
+    parents: list[list[int]]        # per item, its drafts' parents (a chain: 0..n-1)
+
+    def trees(self) -> list[DraftTree]:
+        return [DraftTree(d, p) for d, p in zip(self.drafts, self.parents)]
 
 
 def compatibility_problems(cfg: DFlashConfig, fc_shape: tuple[int, ...] | None,
@@ -90,7 +99,8 @@ class DFlashDrafter(Drafter):
             target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
             hidden_size=target.hidden_size, vocab_size=target.vocab_size,
             max_context=cfg.base.max_position, feature_dtype=config.feature_dtype,
-            needs_features=True, needs_tokens=False, target=cfg.target_fingerprint or target)
+            needs_features=True, needs_tokens=False, target=cfg.target_fingerprint or target,
+            max_tree_nodes=config.max_tree_nodes)
         if self.facts.max_block_size > cfg.block_size:
             log.warning("max block size above the trained block size", extra={
                 "max_block_size": self.facts.max_block_size, "trained": cfg.block_size})
@@ -145,10 +155,10 @@ class DFlashDrafter(Drafter):
         self._graph, self._append_graphs = runner, rows
         log.info("draft cuda graphs ready", extra={"block_size": block})
 
-    def propose(self, items: list[ProposeItem]) -> list[list[int]]:
+    def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
         runner = self._graph_for(items)
         if runner is None:
-            return self.run(items).drafts
+            return self.run(items).trees()
         try:
             with torch.inference_mode():
                 self.append([i for i in items if i.num_new > 0])
@@ -157,7 +167,7 @@ class DFlashDrafter(Drafter):
                 rows = tokens.view(len(items), runner.q_len)[:, 1:].tolist()
         finally:
             self._trim(items)
-        return rows
+        return [DraftTree.chain(r) for r in rows]
 
     def run(self, items: list[ProposeItem]) -> BlockOutput:
         """Append every item's new features, then one block forward over all items with B > 1."""
@@ -166,10 +176,11 @@ class DFlashDrafter(Drafter):
                 self.append([i for i in items if i.num_new > 0])
                 blocks = [i for i in items if i.block_size > 1]
                 hidden = self.forward_blocks(blocks) if blocks else None
-                drafts = self._greedy(blocks, hidden)
+                trees = self._drafts(blocks, hidden)
         finally:
             self._trim(items)
-        return BlockOutput([drafts.get(id(i), []) for i in items], hidden)
+        out = [trees.get(id(i), DraftTree([], [])) for i in items]
+        return BlockOutput([t.tokens for t in out], hidden, [t.parents for t in out])
 
     def _trim(self, items: list[ProposeItem]) -> None:
         for item in items:          # the block's K/V slots are never committed
@@ -178,7 +189,7 @@ class DFlashDrafter(Drafter):
     def _graph_for(self, items: list[ProposeItem]):
         """The captured runner when every item drafts a block of its size and fits a bucket."""
         runner = self._graph
-        if runner is None or any(i.block_size != runner.q_len for i in items):
+        if runner is None or any(i.block_size != runner.q_len or i.tree_nodes for i in items):
             return None
         slices = [SeqSlice(i.seq.table, i.context_len, i.block_size) for i in items]
         return runner if runner.can_run(slices) else None
@@ -235,20 +246,35 @@ class DFlashDrafter(Drafter):
         self.backend.prepare(meta)
         return self._embed_and_forward(ids.to(self.device), positions.to(self.device))
 
-    def _greedy(self, items: list[ProposeItem], hidden: torch.Tensor | None
-                ) -> dict[int, list[int]]:
+    def _drafts(self, items: list[ProposeItem], hidden: torch.Tensor | None
+                ) -> dict[int, DraftTree]:
+        """id(item) -> its chain of argmax drafts, or its tree (items with tree_nodes)."""
         if hidden is None:
             return {}
-        rows, offset = [], 0
+        starts, offset = [], 0
         for i in items:
-            rows.extend(range(offset + 1, offset + i.block_size))
+            starts.append(offset)
             offset += i.block_size
-        tokens = self.head.greedy(hidden[rows]).tolist()
-        out, k = {}, 0
-        for i in items:
-            out[id(i)] = tokens[k: k + i.block_size - 1]
-            k += i.block_size - 1
+        chains = [(i, s) for i, s in zip(items, starts) if not i.tree_nodes]
+        out: dict[int, DraftTree] = {}
+        if chains:
+            rows = [r for i, s in chains for r in range(s + 1, s + i.block_size)]
+            tokens = self.head.greedy(hidden[rows]).tolist()
+            k = 0
+            for i, _ in chains:
+                out[id(i)] = DraftTree.chain(tokens[k: k + i.block_size - 1])
+                k += i.block_size - 1
+        for i, s in zip(items, starts):
+            if i.tree_nodes:
+                out[id(i)] = self._tree(hidden[s + 1: s + i.block_size], i.tree_nodes)
         return out
+
+    def _tree(self, hidden: torch.Tensor, nodes: int) -> DraftTree:
+        """hidden [B-1, H] of one block's draft positions -> the tree of its `nodes` likeliest
+        prefixes."""
+        logp = torch.log_softmax(self.head.logits(hidden), dim=-1)         # [B-1, V] fp32
+        top = logp.topk(min(TREE_TOP_K, nodes, logp.shape[-1]), dim=-1)
+        return best_tree(top.indices.tolist(), top.values.tolist(), nodes)
 
 
 def _read_checkpoint(model_dir: str) -> tuple[DFlashConfig, dict[str, tuple[int, ...]]]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.draft_tree import DraftTree
 from runtime.layers.linear import set_cpu_gemm
 from runtime.models.dflash import TargetFingerprint
 from services.draft.config import DraftConfig
@@ -43,6 +44,7 @@ class DrafterFacts:
     needs_features: bool
     needs_tokens: bool                   # Propose must carry the new positions' token ids
     target: TargetFingerprint            # the target it was made for
+    max_tree_nodes: int = 0              # draft nodes a tree Propose may ask for (0: chains only)
 
     @property
     def feature_width(self) -> int:
@@ -60,6 +62,7 @@ class ProposeItem:
     token_ids: list[int]                 # the tokens at the new positions (may be empty)
     anchor: int                          # last committed token, at position context_len
     block_size: int                      # B: B-1 drafts wanted
+    tree_nodes: int = 0                  # > 0: a tree of that many drafts, at most B-1 deep
 
     @property
     def context_len(self) -> int:
@@ -80,8 +83,9 @@ class Drafter(ABC):
         """Make room for the item's new context and block; raises OutOfPages. All or nothing."""
 
     @abstractmethod
-    def propose(self, items: list[ProposeItem]) -> list[list[int]]:
-        """Commit each item's new context and return its drafts (<= block_size-1 tokens)."""
+    def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
+        """Commit each item's new context and return its drafts: a chain of <= block_size-1
+        tokens, or (tree_nodes > 0, drafters with max_tree_nodes) a tree of tree_nodes."""
 
     def release(self, seq: DraftSequence) -> None:
         """Free what the sequence holds."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,12 +33,14 @@ class ProposeCall:
     token_ids: list[int]
     anchor: int
     block_size: int
+    tree_nodes: int = 0                  # > 0: a tree of that many drafts (checked by the caller)
 
 
 @dataclass(frozen=True)
 class ProposeResult:
     draft_tokens: list[int]
     context_len: int
+    draft_parents: list[int] = field(default_factory=list)   # a tree's; empty for a chain
 
 
 class DraftEngine:
@@ -104,7 +106,7 @@ class DraftEngine:
                 f"positions must continue the sequence's context: expected the first position "
                 f"to be {seq.context_len} (or 0 to restart), got {call.start}")
         item = ProposeItem(seq, seq.context_len, call.num_new, call.features, call.token_ids,
-                           call.anchor, call.block_size)
+                           call.anchor, call.block_size, call.tree_nodes)
         try:
             self._check_context(item)
             self.drafter.reserve(item)
@@ -132,10 +134,11 @@ class DraftEngine:
         t0 = time.perf_counter()
         items = [item for _, item in admitted]
         drafts = self.drafter.propose(items)
-        for (work, item), tokens in zip(admitted, drafts):
+        for (work, item), tree in zip(admitted, drafts):
             item.seq.context_len = item.context_len
             item.seq.touch()
-            work.resolve(ProposeResult(tokens, item.context_len))
+            parents = [] if tree.is_chain else tree.parents
+            work.resolve(ProposeResult(tree.tokens, item.context_len, parents))
         seconds = time.perf_counter() - t0
         tokens = sum(i.num_new + i.block_size for i in items)
         self.stats.record(len(items), tokens, seconds)

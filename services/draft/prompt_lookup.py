@@ -5,6 +5,7 @@ when the match is near the end or there is none."""
 from __future__ import annotations
 
 from runtime.config import default_model_id
+from runtime.draft_tree import DraftTree
 from runtime.models.dflash import TargetFingerprint
 from services.draft.config import DraftConfig
 from services.draft.drafter import Drafter, DrafterFacts, ProposeItem
@@ -40,10 +41,11 @@ class PromptLookupDrafter(Drafter):
             feature_dtype=config.feature_dtype, needs_features=False, needs_tokens=True,
             target=target)
 
-    def propose(self, items: list[ProposeItem]) -> list[list[int]]:
+    def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
         out = []
         for item in items:
             item.seq.tokens.extend(item.token_ids)
-            out.append(propose_ngram(item.seq.tokens + [item.anchor], item.block_size - 1,
-                                     self.config.max_ngram, self.config.min_ngram))
+            out.append(DraftTree.chain(propose_ngram(
+                item.seq.tokens + [item.anchor], item.block_size - 1, self.config.max_ngram,
+                self.config.min_ngram)))
         return out

@@ -47,7 +47,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         facts, engine = self._ready()
         result = await engine.propose(propose_call(request, facts))
         return draft_pb2.ProposeResponse(draft_tokens=result.draft_tokens,
-                                         context_len=result.context_len)
+                                         context_len=result.context_len,
+                                         draft_parents=result.draft_parents)
 
     @rpc
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
@@ -74,7 +75,14 @@ def propose_call(request: draft_pb2.ProposeRequest, facts: DrafterFacts) -> Prop
         raise InvalidArgument(f"new_token_ids {need} have one id per position: expected "
                               f"{len(positions)}, got {len(ids)}")
     features = _features(request, facts, len(positions)) if facts.needs_features else None
-    return ProposeCall(seq_id, start, len(positions), features, ids, request.anchor, block)
+    nodes = request.tree_nodes
+    if nodes > facts.max_tree_nodes:
+        raise InvalidArgument(f"tree_nodes {nodes} is not allowed: this drafter builds trees of "
+                              f"up to {facts.max_tree_nodes} drafts (0 = a chain)")
+    if nodes and block < 2:
+        raise InvalidArgument(f"tree_nodes {nodes} with block_size {block}: a tree needs a block "
+                              f"of at least 2 (its depth is at most block_size - 1)")
+    return ProposeCall(seq_id, start, len(positions), features, ids, request.anchor, block, nodes)
 
 
 def _check_positions(positions: list[int]) -> int:
@@ -119,7 +127,8 @@ def capabilities(facts: DrafterFacts, lease_seconds: float) -> draft_pb2.DraftCa
         target=common_pb2.ModelFingerprint(vocab_size=t.vocab_size, hidden_size=t.hidden_size,
                                            num_layers=t.num_layers, tokenizer_hash=t.tokenizer_hash),
         max_block_size=facts.max_block_size, needs_features=facts.needs_features,
-        model_id=facts.model_id, lease_seconds=int(lease_seconds))
+        model_id=facts.model_id, lease_seconds=int(lease_seconds),
+        max_tree_nodes=facts.max_tree_nodes)
 
 
 def add_to_server(servicer: DraftServicer, server: grpc.aio.Server) -> list[str]:

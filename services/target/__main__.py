@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "refused meanwhile) before it exits")
     flags.add(p, "--max-context", 0, int, "max tokens per sequence (0 = the model's)")
     flags.add(p, "--max-block-size", 32, int, "largest verify block (anchor + drafts)")
+    flags.add(p, "--max-tree-nodes", 255, int, "most draft nodes in a tree Verify (greedy "
+              "sequences; 0 = chains only; at most --token-budget - 1)")
     flags.add(p, "--state-slots", 64, int, "hybrid models: sequences the recurrent state pool holds")
     flags.add(p, "--graph-block-sizes", "1,16", _int_list, "verify block sizes captured as graphs")
     flags.add(p, "--graph-capture-layers", "", _int_list,
@@ -69,8 +71,8 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         model_dir=args.model, device=args.device, dtype=args.dtype,
         attention_backend=args.attention_backend, kv_budget_bytes=args.kv_budget,
         page_size=args.page_size, max_context=args.max_context,
-        max_block_size=args.max_block_size, token_budget=args.token_budget,
-        lease_seconds=args.lease_seconds, state_slots=args.state_slots, model_id=args.model_id,
+        max_block_size=args.max_block_size, max_tree_nodes=args.max_tree_nodes,
+        token_budget=args.token_budget, lease_seconds=args.lease_seconds, state_slots=args.state_slots, model_id=args.model_id,
         warmup_delay_s=args.warmup_delay, hybrid_wrapper=args.hybrid_wrapper,
         cuda_graphs=not args.no_cuda_graphs, graph_block_sizes=args.graph_block_sizes,
         graph_capture_layers=args.graph_capture_layers,

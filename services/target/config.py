@@ -16,6 +16,8 @@ class TargetConfig:
     page_size: int = 16
     max_context: int = 0               # 0 = the model's max_position_embeddings
     max_block_size: int = 32
+    max_tree_nodes: int = 255          # draft nodes in a tree Verify (greedy; 0 = chains only;
+                                       # at most token_budget - 1: one engine iteration)
     token_budget: int = 512            # tokens per engine iteration (chunked prefill)
     lease_seconds: float = 120.0
     hybrid_wrapper: bool = False       # wrap the backend in HybridAttnBackend even for dense models
@@ -35,6 +37,9 @@ class TargetConfig:
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_block_size < 1 or self.token_budget < self.max_block_size:
             raise ValueError("page_size and max_block_size must be >= 1 and token_budget >= max_block_size")
+        if self.max_tree_nodes < 0:
+            raise ValueError(f"max_tree_nodes must be >= 0 (0 = chains only), got "
+                             f"{self.max_tree_nodes}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.cpu_gemm not in CPU_GEMMS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from runtime import bench_switches, threads
 from runtime.attention.metadata import SeqSlice
 from runtime.bench_switches import ForcedAcceptance
+from runtime.draft_tree import DraftTree
 from runtime.kv_cache import OutOfPages
 from runtime.sampling import (
     Acceptance,
@@ -56,6 +58,17 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
+class VerifyCall:
+    tokens: list[int]                   # [anchor, d1..dn]
+    tree: DraftTree | None = None       # the drafts' parents; None = a chain
+
+    @property
+    def depths(self) -> list[int]:
+        """Each block row's offset from the anchor's position (0..n for a chain)."""
+        return self.tree.depths() if self.tree is not None else list(range(len(self.tokens)))
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     accepted: int
     committed: list[int]
@@ -86,8 +99,13 @@ class TargetEngine:
         return await self.loop.submit(Work("prefill", call.seq_id, call, cost=len(call.token_ids),
                                            splittable=True))
 
-    async def verify(self, seq_id: str, tokens: list[int]) -> VerifyResult:
-        return await self.loop.submit(Work("verify", seq_id, tokens, cost=len(tokens)))
+    async def verify(self, seq_id: str, tokens: list[int],
+                     parents: list[int] | None = None) -> VerifyResult:
+        """parents (checked by the caller, runtime.draft_tree.parents_problem): a tree of
+        drafts; None or a chain's parents: a chain."""
+        tree = DraftTree(tokens[1:], parents) if parents else None
+        call = VerifyCall(tokens, tree if tree is not None and not tree.is_chain else None)
+        return await self.loop.submit(Work("verify", seq_id, call, cost=len(tokens)))
 
     async def release(self, seq_id: str) -> bool:
         return await self.loop.submit(Work("release", seq_id, None, cost=0, detached=True))
@@ -152,6 +170,11 @@ class TargetEngine:
             raise InvalidArgument(f"verify of {n} tokens at position {seq.seq_len} passes the "
                                   f"max context {max_ctx}; at most {max_ctx - seq.seq_len} fit")
         self._check_verify_states(seq, n)
+        if work.payload.tree is not None and not seq.sampling.greedy:
+            raise InvalidArgument(
+                f"a tree of drafts can only be verified for a greedy sequence (temperature 0); "
+                f"{seq.seq_id!r} samples at temperature {seq.sampling.temperature:g}: send a chain "
+                f"(no parents)")
         self._ensure_pages(seq, seq.seq_len + n)
         return seq
 
@@ -202,12 +225,17 @@ class TargetEngine:
         positions: list[int] = []
         slices: list[SeqSlice] = []
         for work, n, seq in runnable:
-            tokens = work.payload.token_ids[work.done_tokens: work.done_tokens + n] \
-                if work.kind == "prefill" else work.payload
-            start = work.done_tokens if work.kind == "prefill" else seq.seq_len
-            ids.extend(tokens)
-            positions.extend(range(start, start + n))
-            slices.append(SeqSlice(seq.table, start, n))
+            if work.kind == "prefill":
+                start = work.done_tokens
+                ids.extend(work.payload.token_ids[start: start + n])
+                positions.extend(range(start, start + n))
+                slices.append(SeqSlice(seq.table, start, n))
+            else:                               # a tree's nodes run at their depth's position
+                call: VerifyCall = work.payload
+                ids.extend(call.tokens)
+                positions.extend(seq.seq_len + d for d in call.depths)
+                tree = call.tree.ancestor_mask() if call.tree is not None else None
+                slices.append(SeqSlice(seq.table, seq.seq_len, n, tree))
         capture = tuple(sorted({layer for _, _, s in runnable for layer in s.capture_layers}))
         t0 = time.perf_counter()
         out = self.worker.forward(
@@ -243,11 +271,11 @@ class TargetEngine:
         for (work, n, seq), choice in zip(runnable, choices):
             if work.kind == "prefill":
                 done = work.done_tokens + n == len(work.payload.token_ids)
-                feats.add(seq, offset, n)
+                feats.add(seq, offset, range(n))
                 outcomes.append((work, seq, ("prefill", n, choice if done else None)))
             else:
-                acc = self._accept(work.payload, seq, choice)
-                feats.add(seq, offset, acc.accepted + 1)
+                acc, rows = self._accept(work.payload, seq, choice)
+                feats.add(seq, offset, rows)
                 outcomes.append((work, seq, ("verify", n, acc)))
             offset += n
         fetched = feats.fetch()
@@ -276,12 +304,15 @@ class TargetEngine:
         row = 0
         for work, n, seq in runnable:
             if work.kind == "verify":
-                if seq.sampling.greedy:
+                if work.payload.tree is not None:           # walked on the host (_accept)
+                    readers.append(lambda v, r=row, n=n: (None, None, v[0][r: r + n]))
+                elif seq.sampling.greedy:
                     k = len(greedy_rows)
-                    greedy_rows.append((work.payload[1:], row, n))
+                    greedy_rows.append((work.payload.tokens[1:], row, n))
                     readers.append(lambda v, k=k, r=row, n=n: (*v[1][2 * k: 2 * k + 2], v[0][r: r + n]))
                 else:
-                    drafts = torch.tensor(work.payload[1:], dtype=torch.int64).to(dev, non_blocking=True)
+                    drafts = torch.tensor(work.payload.tokens[1:], dtype=torch.int64).to(
+                        dev, non_blocking=True)
                     probs = target_probs(logits[row: row + n], seq.sampling)
                     sampled.append(rejection_accept_device(drafts, probs, seq.generator))
                     j = 1 + len(sampled)
@@ -309,9 +340,16 @@ class TargetEngine:
             return
         row = 0
         for work, n, seq in runnable:
-            rows = n if work.kind == "verify" else int(work.done_tokens + n == len(work.payload.token_ids))
-            suppress_tokens(logits[row: row + rows], self._eos_ids(seq), seq.suppress_rows(rows))
-            row += rows
+            if work.kind == "verify":           # block row i predicts output num_generated + depth
+                below = seq.suppress_rows(n)
+                for i, depth in enumerate(work.payload.depths):
+                    if depth < below:
+                        suppress_tokens(logits[row + i: row + i + 1], self._eos_ids(seq), 1)
+                row += n
+            else:
+                rows = int(work.done_tokens + n == len(work.payload.token_ids))
+                suppress_tokens(logits[row: row + rows], self._eos_ids(seq), seq.suppress_rows(rows))
+                row += rows
 
     def _finish_prefill_chunk(self, work, n, seq, feats, token) -> None:
         call: PrefillCall = work.payload
@@ -327,20 +365,39 @@ class TargetEngine:
         chunks = work.state.pop("features")
         self._resolve(work, PrefillResult(token, torch.cat(chunks) if chunks else None, seq.seq_len))
 
-    def _accept(self, tokens: list[int], seq: TargetSequence, choice) -> Acceptance:
-        """choice = (a, bonus, argmax of block rows 0..B-1) decided on the device; commits a+1
-        tokens. A forced acceptance (benchmark-only switch) overrides a."""
-        drafts = tokens[1:]
+    def _accept(self, call: VerifyCall, seq: TargetSequence, choice
+                ) -> tuple[Acceptance, Sequence[int]]:
+        """choice = (a, bonus, argmax of block rows 0..B-1) decided on the device (a tree: the
+        argmax alone, walked here); commits a+1 tokens. Returns the acceptance and the block
+        rows committed (the anchor's, then the accepted drafts'). A forced acceptance
+        (benchmark-only switch) overrides a chain's a."""
+        drafts = call.tokens[1:]
         a, bonus, argmax = choice
-        if self.forced is not None:
-            a = self.forced.accepted(len(drafts))
-            bonus = argmax[a]
+        if call.tree is not None:
+            path, bonus = call.tree.greedy_path(argmax)
+            a = len(path)
+            self._compact_path(seq, path)
+        else:
+            if self.forced is not None:
+                a = self.forced.accepted(len(drafts))
+                bonus = argmax[a]
+            path = list(range(1, a + 1))
         seq.seq_len += a + 1                    # anchor + accepted drafts now have KV
         seq.num_generated += a + 1
         self.worker.kv_cache.trim(seq.table, seq.seq_len)   # rejected positions' pages go back
         seq.touch()
         self.stats.record_verify(len(drafts), a)
-        return Acceptance(a, drafts[:a] + [bonus])
+        rows = [0] + path if call.tree is not None else range(a + 1)
+        return Acceptance(a, [drafts[i - 1] for i in path] + [bonus]), rows
+
+    def _compact_path(self, seq: TargetSequence, path: list[int]) -> None:
+        """A tree's accepted nodes 1..a wrote their K/V at block rows `path`; the committed
+        positions seq_len+1..seq_len+a need them in order (a no-op when the path is 1..a)."""
+        moved = [(row, j) for j, row in enumerate(path, start=1) if row != j]
+        if moved:
+            start = seq.seq_len
+            self.worker.kv_cache.copy_positions(seq.table, [start + r for r, _ in moved],
+                                                [start + j for _, j in moved])
 
     def _sample(self, seq: TargetSequence, logits: torch.Tensor) -> torch.Tensor:
         """logits [1, V] -> int64 [1]: one token drawn with the sequence's generator (device)."""
@@ -418,7 +475,8 @@ class FeatureFetch:
         self.captured, self.capture = captured, capture
         self.requests: list[tuple[tuple[int, ...], torch.dtype, int, int] | None] = []
 
-    def add(self, seq: TargetSequence, first: int, rows: int) -> None:
+    def add(self, seq: TargetSequence, first: int, rows: Sequence[int]) -> None:
+        """rows: of the sequence's part of the forward, which starts at row `first`."""
         if self.captured is None or not seq.capture_layers:
             self.requests.append(None)
         else:
@@ -436,7 +494,7 @@ class FeatureFetch:
             host = _to_host(rows)
             start = 0
             for i in members:
-                n = self.requests[i][3]
+                n = len(self.requests[i][3])
                 out[i] = host[start: start + n]
                 start += n
         return out
@@ -444,9 +502,10 @@ class FeatureFetch:
     def _rows(self, members: list[int]) -> torch.Tensor:
         """The requested rows of the members, in order (a slice when they are one range)."""
         spans = [(self.requests[i][2], self.requests[i][3]) for i in members]
-        if len(spans) == 1:
-            return self.captured[spans[0][0]: spans[0][0] + spans[0][1]]
-        index = torch.cat([torch.arange(first, first + n) for first, n in spans])
+        if len(spans) == 1 and isinstance(spans[0][1], range) and spans[0][1].step == 1:
+            first, rows = spans[0]
+            return self.captured[first + rows.start: first + rows.stop]
+        index = torch.tensor([first + r for first, rows in spans for r in rows])
         return self.captured.index_select(0, index.to(self.captured.device))
 
     def _columns(self, rows: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:

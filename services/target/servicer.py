@@ -4,6 +4,7 @@ from __future__ import annotations
 import grpc
 
 from dflash.v1 import common_pb2, target_pb2, target_pb2_grpc
+from runtime.draft_tree import DraftTree, parents_problem
 from services.common import call_stream, tensor_codec, validation
 from services.common.errors import InvalidArgument, NotReady, rpc
 from services.target.engine import PrefillCall, TargetEngine
@@ -80,11 +81,15 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         worker, engine = self._ready_engine()
         seq_id = validation.sequence_id(request.sequence_id)
         ids = validation.token_ids(request.token_ids, worker.facts.vocab_size)
-        max_b = worker.config.max_block_size
-        if not 1 <= len(ids) <= max_b:
-            raise InvalidArgument(f"a verify block has {len(ids)} tokens; allowed 1..{max_b} "
-                                  f"(anchor + up to {max_b - 1} drafts)")
-        result = await engine.verify(seq_id, ids)
+        parents = list(request.parents) or None
+        if parents is None:
+            max_b = worker.config.max_block_size
+            if not 1 <= len(ids) <= max_b:
+                raise InvalidArgument(f"a verify block has {len(ids)} tokens; allowed 1..{max_b} "
+                                      f"(anchor + up to {max_b - 1} drafts)")
+        else:
+            _check_tree(ids, parents, worker)
+        result = await engine.verify(seq_id, ids, parents)
         return target_pb2.VerifyResponse(
             accepted=result.accepted, committed_tokens=result.committed, seq_len=result.seq_len,
             features=tensor_codec.encode(result.features) if result.features is not None else None)
@@ -94,6 +99,24 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         _, engine = self._ready_engine()
         released = await engine.release(validation.sequence_id(request.sequence_id))
         return common_pb2.ReleaseResponse(released=released)
+
+
+def _check_tree(ids: list[int], parents: list[int], worker: TargetWorker) -> None:
+    """A tree Verify: one parent per draft, each before its child, within the node and depth
+    limits."""
+    nodes, max_nodes = len(ids) - 1, worker.max_tree_nodes
+    if max_nodes == 0:
+        raise InvalidArgument("this target verifies chains only (max_tree_nodes 0: a hybrid "
+                              "model or --max-tree-nodes 0): send no parents")
+    if not 1 <= nodes <= max_nodes:
+        raise InvalidArgument(f"a tree Verify has {nodes} draft nodes; allowed 1..{max_nodes}")
+    problem = parents_problem(parents, nodes)
+    if problem:
+        raise InvalidArgument(f"parents: {problem}")
+    depth, max_b = max(DraftTree(ids[1:], parents).depths()), worker.config.max_block_size
+    if depth > max_b - 1:
+        raise InvalidArgument(f"a tree {depth} drafts deep; allowed up to {max_b - 1} "
+                              f"(--max-block-size {max_b} minus the anchor)")
 
 
 def capabilities(worker: TargetWorker) -> target_pb2.TargetCapabilities:
@@ -108,7 +131,8 @@ def capabilities(worker: TargetWorker) -> target_pb2.TargetCapabilities:
         tokenizer_hash=f.tokenizer_hash, bos_token_id=f.bos_token_id,
         kv_pages_total=worker.kv_cache.usable_pages, kv_page_size=cfg.page_size,
         state_slots_total=worker.state_pool.num_slots if worker.state_pool is not None else 0,
-        feature_dtypes=sorted(tensor_codec.WIRE_DTYPES), lease_seconds=int(cfg.lease_seconds))
+        feature_dtypes=sorted(tensor_codec.WIRE_DTYPES), lease_seconds=int(cfg.lease_seconds),
+        max_tree_nodes=worker.max_tree_nodes)
 
 
 def add_to_server(servicer: TargetServicer, server: grpc.aio.Server) -> list[str]:

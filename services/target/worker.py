@@ -151,6 +151,12 @@ class TargetWorker:
         elif self.config.hybrid_wrapper:
             backend = HybridAttnBackend(backend)
         self._attn_backend = backend
+        # trees of drafts: the backend itself where it reads tree masks, else the reference
+        # backend over the same cache (eager); hybrid models verify chains only
+        self._tree_backend = None
+        if not self.facts.hybrid:
+            self._tree_backend = backend if backend.supports_trees else backend_class("torch")(
+                self.kv_cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
         # Decided only now, from the model (does it have mamba layers?) and the backend that
         # exists (can it commit?) - a delegating wrapper alone never makes this True.
         self._need_mamba_verify_commit = self.facts.hybrid and can_commit_mamba_state(backend)
@@ -160,6 +166,15 @@ class TargetWorker:
                         "outputs of this hybrid target are wrong")
         log.info("attention backends built", extra={
             "backend": backend.name, "need_mamba_verify_commit": self._need_mamba_verify_commit})
+
+    @property
+    def max_tree_nodes(self) -> int:
+        """Draft nodes a tree Verify may carry (0: chains only - a hybrid model, whose recurrent
+        state follows one path)."""
+        self._require("backends", "max_tree_nodes")
+        if self._tree_backend is None:
+            return 0
+        return min(self.config.max_tree_nodes, self.config.token_budget - 1)
 
     def mark_ready(self) -> None:
         self._require("backends", "readiness")
@@ -171,8 +186,11 @@ class TargetWorker:
                 verify: list[bool] | None = None) -> ForwardOutput:
         """One forward over the flattened new tokens of several sequences (causal).
         Hybrid models: state_slots[i] is sequence i's live state slot; verify[i] True keeps one
-        intermediate state per block position instead of advancing the live state."""
+        intermediate state per block position instead of advancing the live state.
+        A slice with a tree mask (a verified tree of drafts) runs eagerly on the tree backend."""
         backend = self.attn_backend
+        if any(s.tree is not None for s in slices):
+            backend = self._tree_backend
         runner = self._graph_for(slices, capture_layers)
         if runner is not None:
             with torch.inference_mode():
@@ -214,7 +232,8 @@ class TargetWorker:
     def _graph_for(self, slices: list[SeqSlice], capture_layers: tuple[int, ...]):
         """The captured runner for this batch, or None (eager): every sequence must append the
         same number of tokens, ask for the captured feature layers, and fit a bucket."""
-        if not self._graphs or len({s.q_len for s in slices}) != 1:
+        if (not self._graphs or len({s.q_len for s in slices}) != 1
+                or any(s.tree is not None for s in slices)):
             return None
         runner = self._graphs.get((slices[0].q_len, tuple(capture_layers)))
         return runner if runner is not None and runner.can_run(slices) else None

@@ -30,8 +30,10 @@ class TargetClient:
             sequence_id=seq, token_ids=ids, sampling=sampling, capture_layers=capture_layers,
             feature_dtype=feature_dtype, num_generated=num_generated), timeout=TIMEOUT_S)
 
-    def verify(self, seq: str, ids: list[int]) -> target_pb2.VerifyResponse:
-        return self.stub.Verify(target_pb2.VerifyRequest(sequence_id=seq, token_ids=ids),
+    def verify(self, seq: str, ids: list[int], parents: list[int] | None = None
+               ) -> target_pb2.VerifyResponse:
+        return self.stub.Verify(target_pb2.VerifyRequest(sequence_id=seq, token_ids=ids,
+                                                         parents=parents or []),
                                 timeout=TIMEOUT_S)
 
     def release(self, seq: str) -> bool:

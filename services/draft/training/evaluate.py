@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-split", type=int, default=24, help="prompts per split (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tree-nodes", type=int, default=0,
+                   help="T = 0: verify a tree of this many drafts per step (0 = a chain)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--follow-up", action="store_true",
@@ -113,7 +115,7 @@ def _result(args: argparse.Namespace, target_dir: str, runs: list[dict], complet
     return {"machine": platform.processor() or platform.machine(), "date": str(date.today()),
             "target": target_dir, "draft_model": args.draft_model, "dtype": args.dtype,
             "draft_dtype": _draft_dtype(args), "block_size": args.block_size,
-            "max_new_tokens": args.max_new_tokens,
+            "tree_nodes": args.tree_nodes, "max_new_tokens": args.max_new_tokens,
             "turn": "second" if args.follow_up else "first", "complete": complete,
             "summary": [{k: r[k] for k in ("split", "temperature", "tau", "per_category",
                                            "per_position", "identical_to_target")}
@@ -148,7 +150,7 @@ async def _run_split(engines, eos, split, turns: list[tuple[str, list[int]]], te
         async with sem:
             sampling = SamplingConfig(temperature=temp, seed=args.seed + i)
             spec = await speculate(engines, f"ev-{split}-{temp}-{i}", ids, args.max_new_tokens,
-                                   args.block_size, sampling, eos)
+                                   args.block_size, sampling, eos, args.tree_nodes)
             alone = None
             if temp == 0.0:
                 alone = (await speculate(engines, f"ar-{split}-{i}", ids, args.max_new_tokens, 1,

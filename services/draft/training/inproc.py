@@ -56,8 +56,9 @@ def start_engines(target_cfg: TargetConfig, draft_cfg: DraftConfig | None) -> En
 
 
 async def speculate(engines: Engines, seq_id: str, prompt: list[int], max_new: int, block: int,
-                    sampling: SamplingConfig, eos: set[int]) -> SpecResult:
-    """Greedy or sampled generation of up to max_new tokens; block 1 = autoregressive."""
+                    sampling: SamplingConfig, eos: set[int], tree_nodes: int = 0) -> SpecResult:
+    """Greedy or sampled generation of up to max_new tokens; block 1 = autoregressive.
+    tree_nodes > 0 (greedy only): each step drafts a tree of that many nodes, at most b-1 deep."""
     t0 = time.perf_counter()
     draft = engines.draft if block > 1 else None
     facts = draft.drafter.facts if draft is not None else None
@@ -70,20 +71,22 @@ async def speculate(engines: Engines, seq_id: str, prompt: list[int], max_new: i
         while res.tokens[-1] not in eos and len(res.tokens) < max_new:
             b = min(block, max_new - len(res.tokens) + 1)
             drafts: list[int] = []
+            parents: list[int] = []
             t0_step = time.perf_counter()
             if draft is not None and b > 1:
+                nodes = tree_nodes if sampling.greedy else 0
                 proposal = await draft.propose(ProposeCall(
-                    seq_id, start, len(new_ids), new_feats, new_ids, res.tokens[-1], b))
+                    seq_id, start, len(new_ids), new_feats, new_ids, res.tokens[-1], b, nodes))
                 start += len(new_ids)
-                drafts = proposal.draft_tokens[: b - 1]
+                drafts, parents = proposal.draft_tokens, proposal.draft_parents
             anchor = res.tokens[-1]
             t1_step = time.perf_counter()
-            v = await engines.target.verify(seq_id, [anchor] + drafts)
+            v = await engines.target.verify(seq_id, [anchor] + drafts, parents or None)
             res.draft_seconds += t1_step - t0_step
             res.verify_seconds += time.perf_counter() - t1_step
             res.steps += 1
             res.accepted.append(v.accepted)
-            new_ids, new_feats = [anchor] + drafts[: v.accepted], v.features
+            new_ids, new_feats = [anchor] + v.committed[:-1], v.features
             res.tokens.extend(v.committed)
     finally:
         await engines.target.release(seq_id)

@@ -1,0 +1,114 @@
+"""Draft trees: several draft continuations of one anchor, verified by the target in one forward.
+
+A block is node 0 (the anchor, the last committed token) followed by draft nodes 1..n; each
+draft node i has a parent parents[i-1] < i (0 = the anchor). A chain is parents [0, 1, .., n-1].
+The target runs every node at position (context length + its depth) under an attention mask
+that lets a node see the committed context, its ancestors and itself (`ancestor_mask`), then
+commits the longest path from the anchor along which every token is its own greedy choice
+(`greedy_path`), plus the bonus token it predicts after the path's last node.
+
+The DFlash drafter predicts all block positions in one parallel forward: a distribution q_k over
+the vocabulary for each depth k = 1..B-1, given the context and the anchor but not the drafts
+before it. Its tree (`best_tree`) is the n token prefixes with the largest product of those
+marginals, q_1(t_1) x ... x q_k(t_k) - prefix-closed, since a prefix scores at least what its
+extensions do. Exactness needs no assumption about the tree: at temperature 0 the committed path
+is the target's own greedy chain whatever was drafted."""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft tokens and each one's parent index in [anchor, *tokens] (parents[i] <= i)."""
+    tokens: list[int]
+    parents: list[int]
+
+    @staticmethod
+    def chain(tokens: list[int]) -> "DraftTree":
+        return DraftTree(list(tokens), list(range(len(tokens))))
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """[n+1]: 0 for the anchor, then each node's distance from it."""
+        out = [0]
+        for p in self.parents:
+            out.append(out[p] + 1)
+        return out
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """bool [n+1, n+1]: True where row node may attend to column node (itself and its
+        ancestors, the anchor included)."""
+        n = len(self.tokens) + 1
+        mask = torch.eye(n, dtype=torch.bool)
+        for i, p in enumerate(self.parents, start=1):
+            mask[i] |= mask[p]
+        return mask
+
+    def greedy_path(self, argmax: list[int]) -> tuple[list[int], int]:
+        """argmax [n+1]: the target's greedy token after each node -> (the accepted draft nodes
+        from the anchor down, in order; the bonus token after the last of them)."""
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents, start=1):
+            children.setdefault(p, []).append(i)
+        path, node = [], 0
+        while True:
+            nxt = next((c for c in children.get(node, ()) if self.tokens[c - 1] == argmax[node]),
+                       None)
+            if nxt is None:
+                return path, argmax[node]
+            path.append(nxt)
+            node = nxt
+
+
+def parents_problem(parents: list[int], num_drafts: int) -> str | None:
+    """Why `parents` is not a tree over `num_drafts` drafts (None when it is)."""
+    if len(parents) != num_drafts:
+        return (f"parents has {len(parents)} entries for {num_drafts} draft tokens: expected "
+                f"one per draft token (or none for a chain)")
+    for i, p in enumerate(parents):
+        if p > i:
+            return (f"parents[{i}] = {p}: a draft's parent must come before it in "
+                    f"[anchor, drafts...], i.e. be at most {i}")
+    return None
+
+
+def best_prefixes(logp: list[list[float]], n: int) -> list[tuple[int, ...]]:
+    """Per-depth log-probabilities of each depth's ranked candidates [depths][K] (best first)
+    -> the n prefixes (tuples of candidate ranks) with the largest summed log-probability, in
+    the order found (a prefix always after its parent). Best-first: a popped prefix pushes its
+    first child and its next sibling, so every prefix is pushed at most once."""
+    if not logp or n <= 0:
+        return []
+    depth, width = len(logp), len(logp[0])
+    heap = [(-logp[0][0], (0,))]
+    out: list[tuple[int, ...]] = []
+    while heap and len(out) < n:
+        neg, ranks = heapq.heappop(heap)
+        out.append(ranks)
+        d, r = len(ranks), ranks[-1]
+        if d < depth:
+            heapq.heappush(heap, (neg - logp[d][0], ranks + (0,)))
+        if r + 1 < width:
+            heapq.heappush(heap, (neg + logp[d - 1][r] - logp[d - 1][r + 1],
+                                  ranks[:-1] + (r + 1,)))
+    return out
+
+
+def best_tree(candidates: list[list[int]], logp: list[list[float]], n: int) -> DraftTree:
+    """Ranked candidate tokens per depth [B-1][K] and their log-probabilities -> the tree of
+    the n most likely prefixes, breadth-first (depth by depth, the likelier first)."""
+    prefixes = sorted(best_prefixes(logp, n), key=len)           # stable: likelier first
+    index = {(): 0}
+    tokens, parents = [], []
+    for ranks in prefixes:
+        parents.append(index[ranks[:-1]])
+        tokens.append(candidates[len(ranks) - 1][ranks[-1]])
+        index[ranks] = len(tokens)
+    return DraftTree(tokens, parents)
