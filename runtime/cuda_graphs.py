@@ -1,7 +1,9 @@
 """CUDA graphs for fixed-shape forwards: every sequence of the batch appends exactly q_len tokens
 (verify blocks on the target, propose blocks on the draft). Graphs are captured per batch-size
 bucket, largest first, into one memory pool; a smaller batch is padded with dummy sequences that
-write into the cache's scratch page 0. Requires a backend with `bind()` (triton)."""
+write into the cache's scratch page 0. Requires a backend with `bind()` (triton). A runner made
+with tree=True also reads each sequence's tree mask (SeqSlice.tree; causal where it has none)
+from a static buffer: verifies of trees of drafts."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.attention.metadata import AttentionMetadata, SeqSlice
+from runtime.attention.triton_backend import mask_bits
 from runtime.kv_cache import PagedKVCache
 from runtime.models.forward import ForwardOutput
 
@@ -31,6 +34,8 @@ class _Static:
     cu_q: torch.Tensor           # int32 [bs+1] (constant)
     bs: int
     n: int                       # bs * q
+    tree: torch.Tensor | None = None       # int64 [n, W] tree mask bits (tree runners)
+    host_tree: torch.Tensor | None = None  # its pinned mirror
     out: ForwardOutput | None = None
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -61,9 +66,11 @@ class GraphRunner:
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], ForwardOutput],
                  backend, cache: PagedKVCache, q_len: int, max_context: int, causal: bool,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, tree: bool = False) -> None:
         self.forward, self.backend, self.cache = forward, backend, cache
         self.q_len, self.causal, self.buckets = q_len, causal, tuple(sorted(buckets))
+        self.tree = tree
+        self._causal_bits = mask_bits(None, q_len, -(-q_len // 32)) if tree else None
         self.max_pages = cache.pages_for(max_context + q_len)
         self.device = cache.k.device
         self.graphs: dict[int, _Static] = {}
@@ -75,6 +82,8 @@ class GraphRunner:
             self._fill_dummy_host(st, 0)
             st.packed64.copy_(st.host64)
             st.packed32.copy_(st.host32)
+            if st.tree is not None:
+                st.tree.copy_(st.host_tree)
             meta = self._static_meta(st, bs)
             torch.cuda.synchronize()
             for _ in range(2):                      # warm up kernels (autotune, JIT) off-graph
@@ -115,6 +124,12 @@ class GraphRunner:
         self._fill_dummy_host(st, bs)
         st.packed64.copy_(h64, non_blocking=True)
         st.packed32.copy_(h32, non_blocking=True)
+        if st.tree is not None:
+            for i, s in enumerate(slices):
+                rows = st.host_tree[i * q: (i + 1) * q]
+                rows.copy_(mask_bits(s.tree, q, rows.shape[1]) if s.tree is not None
+                           else self._causal_bits)
+            st.tree.copy_(st.host_tree, non_blocking=True)
         st.graph.replay()
         captured = st.out.captured[:n] if st.out.captured is not None else None
         return ForwardOutput(hidden=st.out.hidden[:n], captured=captured)
@@ -123,7 +138,12 @@ class GraphRunner:
     def _alloc(self, bs: int) -> _Static:
         n = bs * self.q_len
         size64, size32 = 3 * n, bs + bs * self.max_pages
+        tree = host_tree = None
+        if self.tree:
+            host_tree = self._causal_bits.repeat(bs, 1).pin_memory()
+            tree = host_tree.to(self.device)
         return _Static(
+            tree=tree, host_tree=host_tree,
             packed64=torch.zeros(size64, dtype=torch.int64, device=self.device),
             packed32=torch.zeros(size32, dtype=torch.int32, device=self.device),
             host64=torch.zeros(size64, dtype=torch.int64, pin_memory=True),
@@ -143,6 +163,8 @@ class GraphRunner:
         st.host64[2 * st.n + lo:].copy_(pos % self.cache.page_size)
         st.host32[start: st.bs].zero_()
         st.host32[st.bs:].view(st.bs, -1)[start:].zero_()
+        if st.host_tree is not None:
+            st.host_tree[lo:] = self._causal_bits.repeat(st.bs - start, 1)
 
     def _static_meta(self, st: _Static, bs: int) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping=st.slots, q_lens=[self.q_len] * bs,
@@ -153,5 +175,5 @@ class GraphRunner:
 
     def _run_static(self, st: _Static, meta: AttentionMetadata) -> ForwardOutput:
         self.backend.meta = meta
-        self.backend.bind(st.cu_q, st.prefix, st.tables, self.q_len)
+        self.backend.bind(st.cu_q, st.prefix, st.tables, self.q_len, st.tree)
         return self.forward(st.input_ids, st.positions, meta)

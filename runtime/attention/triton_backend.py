@@ -14,17 +14,22 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def mask_bits(mask: torch.Tensor | None, q_len: int, width: int) -> torch.Tensor:
+    """bool [q, q] (None: causal) -> int64 [q, width]: bit j of word j // 32 set where row i
+    sees new token j (the kernel's TREE input)."""
+    if mask is None:
+        mask = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    padded = torch.zeros(q_len, width * 32, dtype=torch.int64)
+    padded[:, :q_len] = mask.to(torch.int64)
+    return (padded.view(q_len, width, 32) << torch.arange(32)).sum(-1)
+
+
 def tree_bits(meta: AttentionMetadata) -> torch.Tensor:
-    """int64 [T, W]: per new token, bit j (of word j // 32) set where it sees new token j of its
-    sequence - its tree mask, or every earlier token for a sequence without a tree."""
+    """int64 [T, W]: per new token, the new tokens of its sequence it sees - its tree mask, or
+    every earlier one for a sequence without a tree."""
     width = -(-max(meta.q_lens) // 32)
-    rows = []
-    for q_len, tree in zip(meta.q_lens, meta.tree_masks):
-        mask = tree if tree is not None else torch.ones(q_len, q_len, dtype=torch.bool).tril()
-        padded = torch.zeros(q_len, width * 32, dtype=torch.int64)
-        padded[:, :q_len] = mask.to(torch.int64)
-        rows.append((padded.view(q_len, width, 32) << torch.arange(32)).sum(-1))
-    return torch.cat(rows)
+    return torch.cat([mask_bits(tree, q_len, width)
+                      for q_len, tree in zip(meta.q_lens, meta.tree_masks)])
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -35,18 +40,17 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
         device = meta.page_tables.device
+        tree = tree_bits(meta).to(device) if meta.tree_masks is not None else None
         self.bind(torch.tensor(meta.cu_q_lens, dtype=torch.int32, device=device),
                   torch.tensor(meta.prefix_lens, dtype=torch.int32, device=device),
-                  meta.page_tables.to(torch.int32), max(meta.q_lens))
-        if meta.tree_masks is not None:
-            self._tree = tree_bits(meta).to(device)
+                  meta.page_tables.to(torch.int32), max(meta.q_lens), tree)
 
     def bind(self, cu_q: torch.Tensor, prefix: torch.Tensor, tables: torch.Tensor,
-             max_q_len: int) -> None:
+             max_q_len: int, tree: torch.Tensor | None = None) -> None:
         """Point the kernel at these device buffers (CUDA graphs bind static ones once and
-        refill them before each replay). cu_q int32 [bs+1], prefix int32 [bs], tables int32 [bs, P]."""
-        self._cu_q, self._prefix, self._tables = cu_q, prefix, tables
-        self._tree: torch.Tensor | None = None
+        refill them before each replay). cu_q int32 [bs+1], prefix int32 [bs], tables int32
+        [bs, P]; tree int64 [T, W] (tree_bits) or None (no sequence verifies a tree)."""
+        self._cu_q, self._prefix, self._tables, self._tree = cu_q, prefix, tables, tree
         group = self.num_heads // self.num_kv_heads
         rows = max_q_len * group
         self._block_m = max(16, min(64, _next_pow2(rows)))

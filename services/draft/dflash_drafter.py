@@ -107,6 +107,7 @@ class DFlashDrafter(Drafter):
         self.cache: PagedKVCache | None = None
         self.backend: AttentionBackend | None = None
         self._graph = None                  # GraphRunner of the block forward (CUDA + triton)
+        self._tree_graph = None             # ... returning each position's top-k (trees)
         self._append_graphs = None          # RowGraphs of the context append (CUDA)
 
     # -- start-up ----------------------------------------------------------------------------
@@ -137,7 +138,9 @@ class DFlashDrafter(Drafter):
 
     def capture_cuda_graphs(self) -> None:
         """The block forward + LM-head argmax at the drafter's block size, captured per batch
-        bucket (CUDA, a backend with bind(): triton). Other block sizes and devices run eagerly."""
+        bucket (CUDA, a backend with bind(): triton), and the same forward + each position's
+        TREE_TOP_K likeliest tokens for batches with trees (when max_tree_nodes > 0). Other
+        block sizes and devices run eagerly."""
         if not (self.config.cuda_graphs and self.device.type == "cuda"
                 and hasattr(self.backend, "bind")):
             return
@@ -148,6 +151,10 @@ class DFlashDrafter(Drafter):
             runner = GraphRunner(self._block_tokens, self.backend, self.cache, block,
                                  self.facts.max_context, causal=False)
             runner.capture()
+            if self.facts.max_tree_nodes:
+                self._tree_graph = GraphRunner(self._block_top_k, self.backend, self.cache,
+                                               block, self.facts.max_context, causal=False)
+                self._tree_graph.capture()
             rows = RowGraphs(self._store_context, self.facts.feature_width,
                              getattr(torch, self.facts.feature_dtype), self.device,
                              self.cache.page_size)
@@ -156,18 +163,28 @@ class DFlashDrafter(Drafter):
         log.info("draft cuda graphs ready", extra={"block_size": block})
 
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
-        runner = self._graph_for(items)
+        trees = any(i.tree_nodes for i in items)
+        runner = self._graph_for(items, self._tree_graph if trees else self._graph)
         if runner is None:
             return self.run(items).trees()
         try:
             with torch.inference_mode():
                 self.append([i for i in items if i.num_new > 0])
                 slices, ids, positions = self._block_inputs(items)
-                tokens = runner.run(slices, ids, positions).hidden      # int64 [n*B]
-                rows = tokens.view(len(items), runner.q_len)[:, 1:].tolist()
+                out = runner.run(slices, ids, positions)
+                q = runner.q_len
+                if trees:         # [n, B-1, K] candidates (best first) and log-probabilities
+                    cands = out.hidden.view(len(items), q, -1)[:, 1:].tolist()
+                    logps = out.captured.view(len(items), q, -1)[:, 1:].tolist()
+                else:
+                    rows = out.hidden.view(len(items), q)[:, 1:].tolist()      # int64 [n, B-1]
         finally:
             self._trim(items)
-        return [DraftTree.chain(r) for r in rows]
+        if not trees:
+            return [DraftTree.chain(r) for r in rows]
+        return [best_tree(c, lp, i.tree_nodes) if i.tree_nodes
+                else DraftTree.chain([ranked[0] for ranked in c])
+                for i, c, lp in zip(items, cands, logps)]
 
     def run(self, items: list[ProposeItem]) -> BlockOutput:
         """Append every item's new features, then one block forward over all items with B > 1."""
@@ -186,10 +203,9 @@ class DFlashDrafter(Drafter):
         for item in items:          # the block's K/V slots are never committed
             self.cache.trim(item.seq.table, item.context_len)
 
-    def _graph_for(self, items: list[ProposeItem]):
-        """The captured runner when every item drafts a block of its size and fits a bucket."""
-        runner = self._graph
-        if runner is None or any(i.block_size != runner.q_len or i.tree_nodes for i in items):
+    def _graph_for(self, items: list[ProposeItem], runner):
+        """`runner` when every item drafts a block of its size and fits a bucket, else None."""
+        if runner is None or any(i.block_size != runner.q_len for i in items):
             return None
         slices = [SeqSlice(i.seq.table, i.context_len, i.block_size) for i in items]
         return runner if runner.can_run(slices) else None
@@ -238,6 +254,13 @@ class DFlashDrafter(Drafter):
         ForwardOutput.hidden carries the int64 tokens [T] here."""
         return ForwardOutput(hidden=self.head.greedy(self._embed_and_forward(ids, positions)),
                              captured=None)
+
+    def _block_top_k(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> ForwardOutput:
+        """The captured function of trees: block forward + each position's TREE_TOP_K likeliest
+        tokens, hidden = int64 [T, K] ids (best first), captured = fp32 [T, K] log-probabilities."""
+        logits = self.head.logits(self._embed_and_forward(ids, positions))
+        top = torch.log_softmax(logits, dim=-1).topk(TREE_TOP_K, dim=-1)
+        return ForwardOutput(hidden=top.indices, captured=top.values)
 
     def forward_blocks(self, items: list[ProposeItem]) -> torch.Tensor:
         """norm(hidden) [sum B, H] of each item's block [anchor, MASK x (B-1)] at L..L+B-1."""

@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               "sequences; 0 = chains only; at most --token-budget - 1)")
     flags.add(p, "--state-slots", 64, int, "hybrid models: sequences the recurrent state pool holds")
     flags.add(p, "--graph-block-sizes", "1,16", _int_list, "verify block sizes captured as graphs")
+    flags.add(p, "--graph-tree-sizes", "16,64", _int_list, "tree verifies (anchor + drafts) "
+              "captured as graphs (trees of other sizes run eagerly)")
     flags.add(p, "--graph-capture-layers", "", _int_list,
               "feature layers the graphed verify returns (the drafter's target_layer_ids)")
     flags.add(p, "--hybrid-wrapper", action="store_true", help="wrap the backend in the hybrid wrapper")
@@ -75,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         token_budget=args.token_budget, lease_seconds=args.lease_seconds, state_slots=args.state_slots, model_id=args.model_id,
         warmup_delay_s=args.warmup_delay, hybrid_wrapper=args.hybrid_wrapper,
         cuda_graphs=not args.no_cuda_graphs, graph_block_sizes=args.graph_block_sizes,
+        graph_tree_sizes=args.graph_tree_sizes,
         graph_capture_layers=args.graph_capture_layers,
         mamba_commit=not args.no_mamba_commit, verify_state_slots=args.verify_state_slots,
         unsafe_skip_mamba_commit=args.unsafe_skip_mamba_commit, cpu_gemm=args.cpu_gemm)

@@ -27,6 +27,7 @@ class TargetConfig:
     warmup_delay_s: float = 0.0        # tests: make warm-up observably slow
     cuda_graphs: bool = True           # capture verify forwards during warm-up (CUDA + triton)
     graph_block_sizes: tuple[int, ...] = (1, 16)
+    graph_tree_sizes: tuple[int, ...] = (16, 64)   # tree verifies (anchor + drafts) captured as graphs
     graph_capture_layers: tuple[int, ...] = ()   # feature layers the graphs return (the drafter's)
     mamba_commit: bool = True          # tests of the hybrid path: False builds a backend that cannot commit
     # hybrid: sequences that can verify blocks of 2+ tokens (-1 = state_slots); see runtime/state_pool.py

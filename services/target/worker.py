@@ -72,6 +72,7 @@ class TargetWorker:
         self._attn_backend: AttentionBackend | None = None
         self._need_mamba_verify_commit: bool | None = None
         self._graphs: dict[tuple[int, tuple[int, ...]], object] = {}
+        self._tree_graphs: dict[tuple[int, tuple[int, ...]], object] = {}
         self.stage = "loaded"
         log.info("weights loaded", extra={"model": self.facts.model_id,
                                           "seconds": round(time.monotonic() - t0, 2)})
@@ -187,11 +188,14 @@ class TargetWorker:
         """One forward over the flattened new tokens of several sequences (causal).
         Hybrid models: state_slots[i] is sequence i's live state slot; verify[i] True keeps one
         intermediate state per block position instead of advancing the live state.
-        A slice with a tree mask (a verified tree of drafts) runs eagerly on the tree backend."""
+        A batch with a tree mask (a verified tree of drafts) runs on the tree backend: a captured
+        tree graph where one fits, else eagerly."""
         backend = self.attn_backend
-        if any(s.tree is not None for s in slices):
+        trees = any(s.tree is not None for s in slices)
+        if trees:
             backend = self._tree_backend
-        runner = self._graph_for(slices, capture_layers)
+        graphs = self._tree_graphs if trees else self._graphs
+        runner = self._graph_for(slices, capture_layers, graphs)
         if runner is not None:
             with torch.inference_mode():
                 return runner.run(slices, input_ids, positions)     # host tensors, packed there
@@ -226,16 +230,21 @@ class TargetWorker:
                                          self.facts.max_context, causal=True)
                     runner.capture()
                     self._graphs[(q, layers)] = runner
+                for q in cfg.graph_tree_sizes if self._tree_backend is backend else ():
+                    runner = GraphRunner(forward, backend, self.kv_cache, q,
+                                         self.facts.max_context, causal=True, tree=True)
+                    runner.capture()
+                    self._tree_graphs[(q, layers)] = runner
         log.info("cuda graphs ready", extra={"block_sizes": cfg.graph_block_sizes,
+                                             "tree_sizes": sorted({q for q, _ in self._tree_graphs}),
                                              "capture_layers": layer_sets})
 
-    def _graph_for(self, slices: list[SeqSlice], capture_layers: tuple[int, ...]):
+    def _graph_for(self, slices: list[SeqSlice], capture_layers: tuple[int, ...], graphs: dict):
         """The captured runner for this batch, or None (eager): every sequence must append the
         same number of tokens, ask for the captured feature layers, and fit a bucket."""
-        if (not self._graphs or len({s.q_len for s in slices}) != 1
-                or any(s.tree is not None for s in slices)):
+        if not graphs or len({s.q_len for s in slices}) != 1:
             return None
-        runner = self._graphs.get((slices[0].q_len, tuple(capture_layers)))
+        runner = graphs.get((slices[0].q_len, tuple(capture_layers)))
         return runner if runner is not None and runner.can_run(slices) else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
