@@ -153,28 +153,45 @@ def measure_split(draft, head, extractor, examples: list[Example]) -> dict:
                 name: by_target_confidence(rows) for name, rows in confidence.items()}}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cpu_models(draft_model: str) -> tuple:
+    """(the drafter, the target's head, a feature extractor of its taps): CPU, fp32."""
+    target = str(default_target("float32"))
+    draft = load_dflash(Path(draft_model), torch.float32, "cpu")
+    head = TargetHead.load(target, torch.float32, "cpu")
+    extractor = FeatureExtractor(target, draft.cfg.target_layer_ids, 4096, torch.float32, "cpu")
+    return draft, head, extractor
+
+
+def add_held_out_args(ap: argparse.ArgumentParser, per_split: int, max_new_tokens: int) -> None:
+    """--work, --draft-model, --per-split, --max-new-tokens, --seed (held_out, cpu_models)."""
     ap.add_argument("--work", required=True, help="folder with the held-out greedy answers "
                     "({eval_in,eval_unseen}_t0.0.jsonl, as train-draft writes them)")
     ap.add_argument("--draft-model", default="models/smollm2-135m-instruct-dflash")
-    ap.add_argument("--per-split", type=int, default=96)
-    ap.add_argument("--max-new-tokens", type=int, default=0, help="cut answers (0 = as generated)")
+    ap.add_argument("--per-split", type=int, default=per_split)
+    ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                    help="cut answers (0 = as generated)")
     ap.add_argument("--seed", type=int, default=0)
+
+
+def held_out(work: str, split: str, per_split: int, max_new_tokens: int, seed: int
+             ) -> list[Example]:
+    """A seeded random per_split of a split's greedy answers, cut to max_new_tokens (0: whole)."""
+    examples = shuffled(load_examples(Path(work) / f"{split}_t0.0.jsonl"), seed)[:per_split]
+    if max_new_tokens:
+        examples = [replace(e, response_ids=e.response_ids[:max_new_tokens]) for e in examples]
+    return examples
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_held_out_args(ap, per_split=96, max_new_tokens=0)
     ap.add_argument("--out", default="bench/results/drafter_anchor_positions.json")
     args = ap.parse_args(argv)
-    target = str(default_target("float32"))
-    draft = load_dflash(Path(args.draft_model), torch.float32, "cpu")
-    head = TargetHead.load(target, torch.float32, "cpu")
-    extractor = FeatureExtractor(target, draft.cfg.target_layer_ids, 4096, torch.float32, "cpu")
+    draft, head, extractor = cpu_models(args.draft_model)
     t0 = time.monotonic()
     splits = {}
     for split in ("eval_in", "eval_unseen"):
-        examples = shuffled(load_examples(Path(args.work) / f"{split}_t0.0.jsonl"),
-                            args.seed)[: args.per_split]
-        if args.max_new_tokens:
-            examples = [replace(e, response_ids=e.response_ids[: args.max_new_tokens])
-                        for e in examples]
+        examples = held_out(args.work, split, args.per_split, args.max_new_tokens, args.seed)
         splits[split] = measure_split(draft, head, extractor, examples)
         print(split, json.dumps(splits[split]["anchors"]), flush=True)
     out = {"date": str(date.today()), "machine": machine(), "draft_model": args.draft_model,

@@ -17,19 +17,23 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
 import torch
 
-from bench.anchor_positions import blocks_everywhere, summary
+from bench.anchor_positions import (
+    add_held_out_args,
+    blocks_everywhere,
+    cpu_models,
+    held_out,
+    summary,
+)
 from bench.report import machine
 from runtime.draft_tree import best_prefixes
-from runtime.models.dflash import TargetHead, load_dflash
-from services.draft.training.evaluate import default_target
-from services.draft.training.features import FeatureExtractor
-from services.draft.training.generate import Example, load_examples, shuffled
+from runtime.models.dflash import TargetHead
+from services.draft.training.generate import Example
 
 TOP_K = 16                      # candidates kept per draft position (enough for N <= 256)
 CHUNK = 64                      # anchors per logits pass: [CHUNK, B-1, V] fp32 at a time
@@ -78,7 +82,7 @@ class Budget:
     depth: int
 
     @staticmethod
-    def parse(text: str, block: int) -> "Budget":
+    def parse(text: str, block: int) -> Budget:
         """"N" or "N/D" (D defaults to the drafter's B-1)."""
         n, _, d = text.partition("/")
         return Budget(int(n), int(d) if d else block - 1)
@@ -116,30 +120,18 @@ def measure_split(draft, head, extractor, examples: list[Example], budgets: list
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", required=True, help="folder with the held-out greedy answers "
-                    "({eval_in,eval_unseen}_t0.0.jsonl, as train-draft writes them)")
-    ap.add_argument("--draft-model", default="models/smollm2-135m-instruct-dflash")
-    ap.add_argument("--per-split", type=int, default=128)
-    ap.add_argument("--max-new-tokens", type=int, default=96, help="cut answers (0 = as generated)")
+    add_held_out_args(ap, per_split=128, max_new_tokens=96)
     ap.add_argument("--budgets", default="0,15,31,63,127,255,0/3,3/3,7,7/4",
                     help="verify policies: N or N/D, a tree of N draft nodes at most D deep "
                     "(0 = the chain of argmax drafts; D defaults to the block size - 1)")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/drafter_tree_acceptance_96.json")
     args = ap.parse_args(argv)
-    target = str(default_target("float32"))
-    draft = load_dflash(Path(args.draft_model), torch.float32, "cpu")
+    draft, head, extractor = cpu_models(args.draft_model)
     budgets = [Budget.parse(b, draft.cfg.block_size) for b in args.budgets.split(",")]
-    head = TargetHead.load(target, torch.float32, "cpu")
-    extractor = FeatureExtractor(target, draft.cfg.target_layer_ids, 4096, torch.float32, "cpu")
     t0 = time.monotonic()
     splits = {}
     for split in ("eval_in", "eval_unseen"):
-        examples = shuffled(load_examples(Path(args.work) / f"{split}_t0.0.jsonl"),
-                            args.seed)[: args.per_split]
-        if args.max_new_tokens:
-            examples = [replace(e, response_ids=e.response_ids[: args.max_new_tokens])
-                        for e in examples]
+        examples = held_out(args.work, split, args.per_split, args.max_new_tokens, args.seed)
         splits[split] = measure_split(draft, head, extractor, examples, budgets)
         print(split, json.dumps({n: t["tau"] for n, t in splits[split]["trees"].items()}),
               flush=True)

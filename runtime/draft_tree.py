@@ -28,7 +28,7 @@ class DraftTree:
     parents: list[int]
 
     @staticmethod
-    def chain(tokens: list[int]) -> "DraftTree":
+    def chain(tokens: list[int]) -> DraftTree:
         return DraftTree(list(tokens), list(range(len(tokens))))
 
     @property

@@ -37,6 +37,14 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_02_dir(tmp_path_factory) -> Path:
+    """A tiny Llama whose weights are large enough (init range 0.2) that its greedy path does
+    not just repeat one token (the verify tests)."""
+    return make_tiny(tmp_path_factory.mktemp("tiny_llama_02"), "llama", initializer_range=0.2,
+                     tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", head_dim=32,
                      tie_word_embeddings=False)

@@ -10,16 +10,19 @@ import random
 import grpc
 import pytest
 import torch
-from support.inproc_target import batch_logits, loaded_worker, run, started_engine
+from support.inproc_target import (
+    assert_same_continuation,
+    greedy_then_prefill,
+    loaded_worker,
+    run,
+    started_engine,
+)
 from support.procs import start_target
 from support.target_client import TargetClient, expect_status
-from support.tiny_models import make_tiny
 
 from dflash.v1 import common_pb2
 from runtime.draft_tree import DraftTree
-from runtime.sampling import SamplingConfig
 from services.common.tensor_codec import decode
-from services.target.engine import PrefillCall
 
 VOCAB = 256
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 18, 64, 5, 77, 120]
@@ -31,14 +34,8 @@ def wrong(token: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tiny_llama_tree"), "llama", initializer_range=0.2,
-                     tie_word_embeddings=True)
-
-
-@pytest.fixture(scope="module")
-def client(model_dir, tmp_path_factory):
-    proc = start_target(model_dir, tmp_path_factory.mktemp("logs"), "--page-size", "4",
+def client(tiny_llama_02_dir, tmp_path_factory):
+    proc = start_target(tiny_llama_02_dir, tmp_path_factory.mktemp("logs"), "--page-size", "4",
                         "--token-budget", str(TOKEN_BUDGET), "--max-block-size", "16",
                         "--kv-budget", "8MiB")
     c = TargetClient(proc.address)
@@ -144,18 +141,13 @@ def test_bad_trees_are_refused_and_the_sequence_goes_on(client, greedy_ref):
     client.release("sampled")
 
 
-def test_kv_after_a_tree_equals_one_by_one(model_dir):
+def test_kv_after_a_tree_equals_one_by_one(tiny_llama_02_dir):
     """The accepted path's K/V are moved into the committed positions: the sequence continues
     exactly as one verified token by token."""
-    worker = loaded_worker(model_dir, page_size=4)
+    worker = loaded_worker(tiny_llama_02_dir, page_size=4)
     engine = started_engine(worker)
     try:
-        greedy = PrefillCall("ref", PROMPT, SamplingConfig(), (), torch.float32)
-        g = [run(engine.prefill(greedy)).next_token]
-        for _ in range(6):
-            g += run(engine.verify("ref", [g[-1]])).committed
-        for seq in ("tree", "steps"):
-            run(engine.prefill(PrefillCall(seq, PROMPT, SamplingConfig(), (), torch.float32)))
+        g = greedy_then_prefill(engine, PROMPT, 7, ("tree", "steps"))
         # the path g1, g2, g3 sits at rows 2, 4, 6, after decoys at rows 1, 3, 5 and 7
         tree = DraftTree([wrong(g[1]), g[1], wrong(g[2]), g[2], 9, g[3], wrong(g[4])],
                          [0, 0, 2, 2, 4, 4, 6])
@@ -163,16 +155,7 @@ def test_kv_after_a_tree_equals_one_by_one(model_dir):
         assert (v.accepted, v.committed) == (3, g[1:5])
         for k in range(4):
             assert run(engine.verify("steps", [g[k]])).committed == [g[k + 1]]
-        a, b = engine.seqs["tree"], engine.seqs["steps"]
-        n = len(PROMPT) + 4
-        assert a.seq_len == b.seq_len == n
-        cache = worker.kv_cache
-        assert len(a.table.pages) == cache.pages_for(n)
-        sa, sb = cache.slots(a.table, 0, n), cache.slots(b.table, 0, n)
-        assert (cache.k[:, sa] - cache.k[:, sb]).abs().max() <= 1e-5
-        assert (cache.v[:, sa] - cache.v[:, sb]).abs().max() <= 1e-5
-        la, lb = batch_logits(worker, [(a.table, n, [g[4]]), (b.table, n, [g[4]])])
-        assert (la - lb).abs().max() <= 1e-5
-        assert int(la.argmax()) == g[5]
+        assert_same_continuation(worker, engine.seqs["tree"], engine.seqs["steps"],
+                                 len(PROMPT) + 4, g[4], g[5])
     finally:
         engine.stop()

@@ -14,10 +14,16 @@ import threading
 import pytest
 import torch
 from support import prom
-from support.inproc_target import batch_logits, loaded_worker, run, started_engine
+from support.inproc_target import (
+    assert_same_continuation,
+    batch_logits,
+    greedy_then_prefill,
+    loaded_worker,
+    run,
+    started_engine,
+)
 from support.procs import free_port, start_target
 from support.target_client import TargetClient
-from support.tiny_models import make_tiny
 
 from dflash.v1 import common_pb2
 from runtime.kv_cache import PageTable
@@ -38,9 +44,8 @@ def wrong(token: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tiny_llama_02"), "llama", initializer_range=0.2,
-                     tie_word_embeddings=True)
+def model_dir(tiny_llama_02_dir):
+    return tiny_llama_02_dir
 
 
 @pytest.fixture(scope="module")
@@ -123,27 +128,13 @@ def test_kv_after_partial_accept_equals_one_by_one(model_dir):
     worker = loaded_worker(model_dir, page_size=4)
     engine = started_engine(worker)
     try:
-        greedy = PrefillCall("ref", PROMPT, SamplingConfig(), (), torch.float32)
-        g = [run(engine.prefill(greedy)).next_token]
-        for _ in range(6):
-            g += run(engine.verify("ref", [g[-1]])).committed
-        for seq in ("block", "steps"):
-            run(engine.prefill(PrefillCall(seq, PROMPT, SamplingConfig(), (), torch.float32)))
+        g = greedy_then_prefill(engine, PROMPT, 7, ("block", "steps"))
         v = run(engine.verify("block", [g[0], g[1], g[2], g[3], wrong(g[4]), g[5], g[6]]))
         assert (v.accepted, v.committed) == (3, g[1:5])
         for k in range(4):
             assert run(engine.verify("steps", [g[k]])).committed == [g[k + 1]]
-        a, b = engine.seqs["block"], engine.seqs["steps"]
-        n = len(PROMPT) + 4
-        assert a.seq_len == b.seq_len == n
-        cache = worker.kv_cache
-        assert len(a.table.pages) == cache.pages_for(n)        # rejected pages went back
-        sa, sb = cache.slots(a.table, 0, n), cache.slots(b.table, 0, n)
-        assert (cache.k[:, sa] - cache.k[:, sb]).abs().max() <= 1e-5
-        assert (cache.v[:, sa] - cache.v[:, sb]).abs().max() <= 1e-5
-        la, lb = batch_logits(worker, [(a.table, n, [g[4]]), (b.table, n, [g[4]])])
-        assert (la - lb).abs().max() <= 1e-5
-        assert int(la.argmax()) == g[5]
+        assert_same_continuation(worker, engine.seqs["block"], engine.seqs["steps"],
+                                 len(PROMPT) + 4, g[4], g[5])
     finally:
         engine.stop()
 

@@ -11,8 +11,9 @@ import torch
 
 from runtime.attention.metadata import SeqSlice
 from runtime.kv_cache import PageTable
+from runtime.sampling import SamplingConfig
 from services.target.config import TargetConfig
-from services.target.engine import TargetEngine
+from services.target.engine import PrefillCall, TargetEngine
 from services.target.worker import TargetWorker
 
 
@@ -50,6 +51,35 @@ def chunked_logits(worker: TargetWorker, ids: list[int], chunks: list[int]) -> t
         pos += n
     worker.kv_cache.release(table)
     return torch.cat(out)
+
+
+def greedy_then_prefill(engine: TargetEngine, prompt: list[int], n: int, seqs: tuple[str, ...]
+                        ) -> list[int]:
+    """The prompt's first n greedy tokens, one Verify each (a sequence "ref"), then a fresh
+    Prefill of the prompt for each of `seqs` (greedy, no features)."""
+    g = [run(engine.prefill(PrefillCall("ref", prompt, SamplingConfig(), (), torch.float32)))
+         .next_token]
+    while len(g) < n:
+        g += run(engine.verify("ref", [g[-1]])).committed
+    for seq in seqs:
+        run(engine.prefill(PrefillCall(seq, prompt, SamplingConfig(), (), torch.float32)))
+    return g
+
+
+def assert_same_continuation(worker: TargetWorker, a, b, n: int, last: int, expected: int
+                             ) -> None:
+    """Target sequences a and b (TargetSequence) both hold n committed positions with the same
+    K/V (within fp32 rounding), no pages past them, and after the token `last` both predict the
+    same logits, whose argmax is `expected`."""
+    assert a.seq_len == b.seq_len == n
+    cache = worker.kv_cache
+    assert len(a.table.pages) == cache.pages_for(n)        # rejected pages went back
+    sa, sb = cache.slots(a.table, 0, n), cache.slots(b.table, 0, n)
+    assert (cache.k[:, sa] - cache.k[:, sb]).abs().max() <= 1e-5
+    assert (cache.v[:, sa] - cache.v[:, sb]).abs().max() <= 1e-5
+    la, lb = batch_logits(worker, [(a.table, n, [last]), (b.table, n, [last])])
+    assert (la - lb).abs().max() <= 1e-5
+    assert int(la.argmax()) == expected
 
 
 def run(coro: Coroutine) -> Any:
