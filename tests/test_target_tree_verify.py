@@ -159,3 +159,20 @@ def test_kv_after_a_tree_equals_one_by_one(tiny_llama_02_dir):
                                  len(PROMPT) + 4, g[4], g[5])
     finally:
         engine.stop()
+
+
+def test_min_tokens_counts_a_nodes_depth_not_its_row(client, greedy_ref):
+    """Node rows are not output positions in a tree: a node at depth d predicts output
+    num_generated + d. Here g1 sits at row 2 but depth 1, so the stop token g2 it predicts is
+    output 2 - forbidden under min_tokens 3, allowed under 2."""
+    g = greedy_ref
+    assert len({g[0], g[1], g[2]}) == 3
+    tree = DraftTree([wrong(g[1]), g[1], g[2]], [0, 0, 2])
+    for min_tokens, accepted in ((3, 1), (2, 2)):
+        sampling = common_pb2.SamplingParams(min_tokens=min_tokens, stop_token_ids=[g[2]])
+        client.prefill("mt-tree", PROMPT, sampling)
+        v = client.verify("mt-tree", [g[0]] + tree.tokens, tree.parents)
+        assert v.accepted == accepted, min_tokens
+        assert list(v.committed_tokens[:accepted]) == g[1: 1 + accepted]
+        assert (g[2] in v.committed_tokens) == (min_tokens == 2)
+    client.release("mt-tree")

@@ -258,9 +258,13 @@ class DFlashDrafter(Drafter):
     def _block_top_k(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> ForwardOutput:
         """The captured function of trees: block forward + each position's TREE_TOP_K likeliest
         tokens, hidden = int64 [T, K] ids (best first), captured = fp32 [T, K] log-probabilities."""
-        logits = self.head.logits(self._embed_and_forward(ids, positions))
-        top = torch.log_softmax(logits, dim=-1).topk(TREE_TOP_K, dim=-1)
+        top = self._ranked(self._embed_and_forward(ids, positions), TREE_TOP_K)
         return ForwardOutput(hidden=top.indices, captured=top.values)
+
+    def _ranked(self, hidden: torch.Tensor, k: int):
+        """hidden [T, H] -> topk (values: fp32 log-probabilities [T, k], indices [T, k]) of the
+        target LM head's distribution at each row, best first."""
+        return torch.log_softmax(self.head.logits(hidden), dim=-1).topk(k, dim=-1)
 
     def forward_blocks(self, items: list[ProposeItem]) -> torch.Tensor:
         """norm(hidden) [sum B, H] of each item's block [anchor, MASK x (B-1)] at L..L+B-1."""
@@ -295,8 +299,7 @@ class DFlashDrafter(Drafter):
     def _tree(self, hidden: torch.Tensor, nodes: int) -> DraftTree:
         """hidden [B-1, H] of one block's draft positions -> the tree of its `nodes` likeliest
         prefixes."""
-        logp = torch.log_softmax(self.head.logits(hidden), dim=-1)         # [B-1, V] fp32
-        top = logp.topk(min(TREE_TOP_K, nodes, logp.shape[-1]), dim=-1)
+        top = self._ranked(hidden, min(TREE_TOP_K, nodes))
         return best_tree(top.indices.tolist(), top.values.tolist(), nodes)
 
 

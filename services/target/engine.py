@@ -341,10 +341,13 @@ class TargetEngine:
         row = 0
         for work, n, seq in runnable:
             if work.kind == "verify":           # block row i predicts output num_generated + depth
-                below = seq.suppress_rows(n)
-                for i, depth in enumerate(work.payload.depths):
-                    if depth < below:
-                        suppress_tokens(logits[row + i: row + i + 1], self._eos_ids(seq), 1)
+                below, tree = seq.suppress_rows(n), work.payload.tree
+                if tree is None:
+                    suppress_tokens(logits[row: row + n], self._eos_ids(seq), below)
+                elif below > 0:
+                    for i, depth in enumerate(tree.depths()):
+                        if depth < below:
+                            suppress_tokens(logits[row + i: row + i + 1], self._eos_ids(seq), 1)
                 row += n
             else:
                 rows = int(work.done_tokens + n == len(work.payload.token_ids))
@@ -473,7 +476,8 @@ class FeatureFetch:
 
     def __init__(self, captured: torch.Tensor | None, capture: tuple[int, ...]) -> None:
         self.captured, self.capture = captured, capture
-        self.requests: list[tuple[tuple[int, ...], torch.dtype, int, int] | None] = []
+        # (layers, dtype, first row of the sequence's part, its rows wanted) per request
+        self.requests: list[tuple[tuple[int, ...], torch.dtype, int, Sequence[int]] | None] = []
 
     def add(self, seq: TargetSequence, first: int, rows: Sequence[int]) -> None:
         """rows: of the sequence's part of the forward, which starts at row `first`."""
@@ -505,7 +509,10 @@ class FeatureFetch:
         if len(spans) == 1 and isinstance(spans[0][1], range) and spans[0][1].step == 1:
             first, rows = spans[0]
             return self.captured[first + rows.start: first + rows.stop]
-        index = torch.tensor([first + r for first, rows in spans for r in rows])
+        index = torch.cat([torch.arange(first + rows.start, first + rows.stop)
+                           if isinstance(rows, range) and rows.step == 1
+                           else torch.tensor([first + r for r in rows], dtype=torch.int64)
+                           for first, rows in spans])
         return self.captured.index_select(0, index.to(self.captured.device))
 
     def _columns(self, rows: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
