@@ -45,7 +45,7 @@ from gateway.request import GenerationRequest
 from gateway.state import GatewayState, Speculation
 from gateway.telemetry import RequestTelemetry
 from gateway.upstream import Upstream, UpstreamError
-from runtime.draft_tree import DraftTree, parents_problem
+from runtime.draft_tree import DraftTree, tree_problem
 
 log = logging.getLogger("dflash.gateway.loop")
 
@@ -314,13 +314,9 @@ class Generation:
         the vocabulary, parents before children, at most block - 1 deep); else no drafts this
         step - a draft's fault only costs speculation."""
         tree = DraftTree([int(t) for t in resp.draft_tokens], [int(p) for p in resp.draft_parents])
-        problem = parents_problem(tree.parents, len(tree.tokens))
-        if problem is None and len(tree.tokens) > nodes:
-            problem = f"{len(tree.tokens)} drafts for a tree of {nodes}"
+        problem = tree_problem(tree, nodes, block - 1)
         if problem is None and any(t >= self.state.target_caps.vocab_size for t in tree.tokens):
             problem = "a draft token outside the vocabulary"
-        if problem is None and max(tree.depths()) > block - 1:
-            problem = f"deeper than the block's {block - 1} drafts"
         if problem is not None:
             log.warning("draft sent an unusable tree (%s); this step verifies no drafts", problem,
                         extra=self._ids())

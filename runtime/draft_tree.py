@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -35,8 +36,9 @@ class DraftTree:
     def is_chain(self) -> bool:
         return all(p == i for i, p in enumerate(self.parents))
 
+    @cached_property
     def depths(self) -> list[int]:
-        """[n+1]: 0 for the anchor, then each node's distance from it."""
+        """[n+1]: 0 for the anchor, then each node's distance from it (computed once)."""
         out = [0]
         for p in self.parents:
             out.append(out[p] + 1)
@@ -76,6 +78,20 @@ def parents_problem(parents: list[int], num_drafts: int) -> str | None:
         if p > i:
             return (f"parents[{i}] = {p}: a draft's parent must come before it in "
                     f"[anchor, drafts...], i.e. be at most {i}")
+    return None
+
+
+def tree_problem(tree: DraftTree, max_nodes: int, max_depth: int) -> str | None:
+    """Why a verifier would refuse `tree` (None when it takes it): its parents, more than
+    max_nodes drafts (or none), deeper than max_depth drafts."""
+    problem = parents_problem(tree.parents, len(tree.tokens))
+    if problem is not None:
+        return problem
+    if not 1 <= len(tree.tokens) <= max_nodes:
+        return f"{len(tree.tokens)} draft nodes; allowed 1..{max_nodes}"
+    depth = max(tree.depths)
+    if depth > max_depth:
+        return f"{depth} drafts deep; allowed up to {max_depth}"
     return None
 
 

@@ -40,7 +40,7 @@ def test_tree_graph_equals_eager(tiny_llama_dir):
             mask = d.ancestor_mask() if d is tree else None
             slices.append(SeqSlice(t, len(p), 8, mask))
             ids += [p[-1]] + d.tokens
-            pos += [len(p) + x for x in d.depths()]
+            pos += [len(p) + x for x in d.depths]
         if graphs:
             assert w._graph_for(slices, (), w._tree_graphs) is not None
         out = w.forward(slices, torch.tensor(ids), torch.tensor(pos), ())

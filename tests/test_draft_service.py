@@ -206,11 +206,11 @@ def test_tree_propose_is_the_likeliest_prefixes_of_the_reference_block(
     d = stub.Propose(req, timeout=30)
     tree = DraftTree(list(d.draft_tokens), list(d.draft_parents))
     assert len(tree.tokens) == n and parents_problem(tree.parents, n) is None
-    assert max(tree.depths()) <= 15
+    assert max(tree.depths) <= 15
     logp = torch.log_softmax(ref.block_hidden(context, 42, 16)[1:] @ ref.lm_head.t(), -1)
     score = [0.0]                                       # each node's summed log-probability
     for i, (t, p) in enumerate(zip(tree.tokens, tree.parents), start=1):
-        score.append(score[p] + float(logp[tree.depths()[i] - 1, t]))
+        score.append(score[p] + float(logp[tree.depths[i] - 1, t]))
     top = logp.topk(n)
     best = best_prefixes(top.values.tolist(), n)
     nth = min(sum(top.values[i, r].item() for i, r in enumerate(ranks)) for ranks in best)

@@ -45,7 +45,7 @@ def test_best_tree_is_breadth_first_with_parents_before_children():
     candidates = [[100 * d + k for k in range(5)] for d in range(6)]
     tree = best_tree(candidates, logp, 20)
     assert len(tree.tokens) == 20 and parents_problem(tree.parents, 20) is None
-    depths = tree.depths()
+    depths = tree.depths
     assert depths[1:] == sorted(depths[1:])
     for i, t in enumerate(tree.tokens, start=1):
         assert t // 100 == depths[i] - 1                # the candidate of its own depth
@@ -55,14 +55,14 @@ def test_best_tree_is_breadth_first_with_parents_before_children():
 def test_chain_is_a_tree_whose_parents_are_its_predecessors():
     chain = DraftTree.chain([5, 6, 7])
     assert chain.parents == [0, 1, 2] and chain.is_chain
-    assert chain.depths() == [0, 1, 2, 3]
+    assert chain.depths == [0, 1, 2, 3]
     assert chain.ancestor_mask().tolist() == [[j <= i for j in range(4)] for i in range(4)]
     assert not DraftTree([5, 6], [0, 0]).is_chain
 
 
 def test_ancestor_mask_and_depths_follow_the_parents():
     tree = DraftTree([10, 11, 12, 13, 14], [0, 0, 1, 3, 2])    # 1,2 under the anchor; 3<-1; 4<-3; 5<-2
-    assert tree.depths() == [0, 1, 1, 2, 3, 2]
+    assert tree.depths == [0, 1, 1, 2, 3, 2]
     mask = tree.ancestor_mask()
     assert [j for j in range(6) if mask[4, j]] == [0, 1, 3, 4]
     assert [j for j in range(6) if mask[5, j]] == [0, 2, 5]

@@ -19,18 +19,15 @@ from support.inproc_target import (
 )
 from support.procs import start_target
 from support.target_client import TargetClient, expect_status
+from support.tiny_models import TINY_PROMPT as PROMPT
+from support.tiny_models import TINY_VOCAB as VOCAB
+from support.tiny_models import wrong
 
 from dflash.v1 import common_pb2
 from runtime.draft_tree import DraftTree
 from services.common.tensor_codec import decode
 
-VOCAB = 256
-PROMPT = [1, 17, 42, 99, 7, 3, 250, 18, 64, 5, 77, 120]
 TOKEN_BUDGET = 64                     # -> max_tree_nodes 63 (the configured 255 is clamped)
-
-
-def wrong(token: int) -> int:
-    return (token + 1) % VOCAB
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,9 @@ from support.inproc_target import (
 )
 from support.procs import free_port, start_target
 from support.target_client import TargetClient
+from support.tiny_models import TINY_PROMPT as PROMPT
+from support.tiny_models import TINY_VOCAB as VOCAB
+from support.tiny_models import wrong
 
 from dflash.v1 import common_pb2
 from runtime.kv_cache import PageTable
@@ -32,15 +35,9 @@ from services.common.engine_loop import Work
 from services.common.tensor_codec import decode
 from services.target.engine import PrefillCall, TargetEngine, VerifyCall
 
-VOCAB = 256
-PROMPT = [1, 17, 42, 99, 7, 3, 250, 18, 64, 5, 77, 120]
 PROMPTS_8 = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
              for n in (5, 17, 33, 64, 90, 11, 45, 120)]     # 90 and 120 > token budget: chunked
 SAMPLE_T, SAMPLE_K = 1.0, 8            # p(top) ~0.7 at the sampling context: peaked, not one-hot
-
-
-def wrong(token: int) -> int:
-    return (token + 1) % VOCAB
 
 
 @pytest.fixture(scope="module")

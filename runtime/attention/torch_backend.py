@@ -24,6 +24,8 @@ class TorchAttentionBackend(AttentionBackend):
                          and meta.tree_masks is None)
         # (prefix, q_len, causal, window) -> mask: built once per forward, not once per layer
         self._masks: dict[tuple[int, int, bool, int | None], torch.Tensor | None] = {}
+        # (sequence, window) -> its tree mask over its keys, also built once per forward
+        self._tree_masks: dict[tuple[int, int | None], torch.Tensor] = {}
         self._offsets = meta.cu_q_lens
 
     def _mask(self, prefix: int, q_len: int, causal: bool, window: int | None
@@ -58,9 +60,16 @@ class TorchAttentionBackend(AttentionBackend):
             lo, hi = self._offsets[i], self._offsets[i + 1]
             idx = self._kv_index[i, : prefix + q_len]
             mask = (self._mask(prefix, q_len, causal, window) if trees[i] is None
-                    else _tree_mask(trees[i], prefix, window).to(q.device))
+                    else self._tree_mask(i, prefix, window))
             out[lo:hi] = self._sdpa(q[None, lo:hi], kc[idx][None], vc[idx][None], mask)[0]
         return out
+
+    def _tree_mask(self, i: int, prefix: int, window: int | None) -> torch.Tensor:
+        """Sequence i's tree mask over its prefix + q_len keys (built once per forward)."""
+        if (i, window) not in self._tree_masks:
+            mask = _tree_mask(self.meta.tree_masks[i], prefix, window)
+            self._tree_masks[(i, window)] = mask.to(self.meta.page_tables.device)
+        return self._tree_masks[(i, window)]
 
     def _forward_uniform(self, q, kc, vc, causal, window) -> torch.Tensor:
         meta = self.meta

@@ -42,12 +42,13 @@ TREE_TOP_K = 16                     # candidates per block position a tree is bu
 
 @dataclass
 class BlockOutput:
-    drafts: list[list[int]]         # per item, B-1 tokens ([] for B = 1); a tree's tokens
+    trees: list[DraftTree]          # per item: a chain of B-1 drafts ([] for B = 1), or its tree
     hidden: torch.Tensor | None     # [sum of B over items with B > 1, H] after the final norm
-    parents: list[list[int]]        # per item, its drafts' parents (a chain: 0..n-1)
 
-    def trees(self) -> list[DraftTree]:
-        return [DraftTree(d, p) for d, p in zip(self.drafts, self.parents)]
+    @property
+    def drafts(self) -> list[list[int]]:
+        """Per item, its draft tokens."""
+        return [t.tokens for t in self.trees]
 
 
 def compatibility_problems(cfg: DFlashConfig, fc_shape: tuple[int, ...] | None,
@@ -166,7 +167,7 @@ class DFlashDrafter(Drafter):
         trees = any(i.tree_nodes for i in items)
         runner = self._graph_for(items, self._tree_graph if trees else self._graph)
         if runner is None:
-            return self.run(items).trees()
+            return self.run(items).trees
         try:
             with torch.inference_mode():
                 self.append([i for i in items if i.num_new > 0])
@@ -196,8 +197,7 @@ class DFlashDrafter(Drafter):
                 trees = self._drafts(blocks, hidden)
         finally:
             self._trim(items)
-        out = [trees.get(id(i), DraftTree([], [])) for i in items]
-        return BlockOutput([t.tokens for t in out], hidden, [t.parents for t in out])
+        return BlockOutput([trees.get(id(i), DraftTree([], [])) for i in items], hidden)
 
     def _trim(self, items: list[ProposeItem]) -> None:
         for item in items:          # the block's K/V slots are never committed
@@ -275,32 +275,32 @@ class DFlashDrafter(Drafter):
 
     def _drafts(self, items: list[ProposeItem], hidden: torch.Tensor | None
                 ) -> dict[int, DraftTree]:
-        """id(item) -> its chain of argmax drafts, or its tree (items with tree_nodes)."""
+        """id(item) -> its chain of argmax drafts, or its tree (items with tree_nodes); one LM
+        head pass for all chains and one for all trees."""
         if hidden is None:
             return {}
         starts, offset = [], 0
         for i in items:
             starts.append(offset)
             offset += i.block_size
-        chains = [(i, s) for i, s in zip(items, starts) if not i.tree_nodes]
         out: dict[int, DraftTree] = {}
-        if chains:
-            rows = [r for i, s in chains for r in range(s + 1, s + i.block_size)]
-            tokens = self.head.greedy(hidden[rows]).tolist()
+        for trees in (False, True):
+            group = [(i, s) for i, s in zip(items, starts) if bool(i.tree_nodes) == trees]
+            if not group:
+                continue
+            rows = hidden[[r for i, s in group for r in range(s + 1, s + i.block_size)]]
+            if trees:                   # [rows, K] candidates and log-probabilities, best first
+                top = self._ranked(rows, TREE_TOP_K)
+                cands, logps = top.indices.tolist(), top.values.tolist()
+            else:
+                tokens = self.head.greedy(rows).tolist()
             k = 0
-            for i, _ in chains:
-                out[id(i)] = DraftTree.chain(tokens[k: k + i.block_size - 1])
-                k += i.block_size - 1
-        for i, s in zip(items, starts):
-            if i.tree_nodes:
-                out[id(i)] = self._tree(hidden[s + 1: s + i.block_size], i.tree_nodes)
+            for i, _ in group:
+                n = i.block_size - 1
+                out[id(i)] = (best_tree(cands[k: k + n], logps[k: k + n], i.tree_nodes) if trees
+                              else DraftTree.chain(tokens[k: k + n]))
+                k += n
         return out
-
-    def _tree(self, hidden: torch.Tensor, nodes: int) -> DraftTree:
-        """hidden [B-1, H] of one block's draft positions -> the tree of its `nodes` likeliest
-        prefixes."""
-        top = self._ranked(hidden, min(TREE_TOP_K, nodes))
-        return best_tree(top.indices.tolist(), top.values.tolist(), nodes)
 
 
 def _read_checkpoint(model_dir: str) -> tuple[DFlashConfig, dict[str, tuple[int, ...]]]:

@@ -63,9 +63,9 @@ class VerifyCall:
     tree: DraftTree | None = None       # the drafts' parents; None = a chain
 
     @property
-    def depths(self) -> list[int]:
+    def depths(self) -> Sequence[int]:
         """Each block row's offset from the anchor's position (0..n for a chain)."""
-        return self.tree.depths() if self.tree is not None else list(range(len(self.tokens)))
+        return self.tree.depths if self.tree is not None else range(len(self.tokens))
 
 
 @dataclass(frozen=True)
@@ -345,7 +345,7 @@ class TargetEngine:
                 if tree is None:
                     suppress_tokens(logits[row: row + n], self._eos_ids(seq), below)
                 elif below > 0:
-                    for i, depth in enumerate(tree.depths()):
+                    for i, depth in enumerate(tree.depths):
                         if depth < below:
                             suppress_tokens(logits[row + i: row + i + 1], self._eos_ids(seq), 1)
                 row += n

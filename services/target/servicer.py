@@ -4,7 +4,7 @@ from __future__ import annotations
 import grpc
 
 from dflash.v1 import common_pb2, target_pb2, target_pb2_grpc
-from runtime.draft_tree import DraftTree, parents_problem
+from runtime.draft_tree import DraftTree, tree_problem
 from services.common import call_stream, tensor_codec, validation
 from services.common.errors import InvalidArgument, NotReady, rpc
 from services.target.engine import PrefillCall, TargetEngine
@@ -104,19 +104,14 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 def _check_tree(ids: list[int], parents: list[int], worker: TargetWorker) -> None:
     """A tree Verify: one parent per draft, each before its child, within the node and depth
     limits."""
-    nodes, max_nodes = len(ids) - 1, worker.max_tree_nodes
+    max_nodes, max_b = worker.max_tree_nodes, worker.config.max_block_size
     if max_nodes == 0:
         raise InvalidArgument("this target verifies chains only (max_tree_nodes 0: a hybrid "
                               "model or --max-tree-nodes 0): send no parents")
-    if not 1 <= nodes <= max_nodes:
-        raise InvalidArgument(f"a tree Verify has {nodes} draft nodes; allowed 1..{max_nodes}")
-    problem = parents_problem(parents, nodes)
-    if problem:
-        raise InvalidArgument(f"parents: {problem}")
-    depth, max_b = max(DraftTree(ids[1:], parents).depths()), worker.config.max_block_size
-    if depth > max_b - 1:
-        raise InvalidArgument(f"a tree {depth} drafts deep; allowed up to {max_b - 1} "
-                              f"(--max-block-size {max_b} minus the anchor)")
+    problem = tree_problem(DraftTree(ids[1:], parents), max_nodes, max_b - 1)
+    if problem is not None:
+        raise InvalidArgument(f"a tree Verify: {problem} (nodes: max_tree_nodes {max_nodes}; "
+                              f"depth: --max-block-size {max_b} minus the anchor)")
 
 
 def capabilities(worker: TargetWorker) -> target_pb2.TargetCapabilities:
