@@ -7,34 +7,34 @@ import json
 from pathlib import Path
 
 RUNS = [  # label, training.json
-    ("first", "bench/results/training/smollm2_drafter1_training.json"),
-    ("second", "bench/results/training/smollm2_drafter2_training.json"),
-    ("third", "bench/results/training/smollm2_drafter3_training.json"),
-    ("fourth (gamma 3)", "bench/results/training/smollm2_drafter4_training.json"),
-    ("fifth (gamma 3, 24k steps)", "bench/results/training/smollm2_drafter5_training.json"),
+    ("first", "bench/results/archive/training/smollm2_drafter1_training.json"),
+    ("second", "bench/results/archive/training/smollm2_drafter2_training.json"),
+    ("third", "bench/results/archive/training/smollm2_drafter3_training.json"),
+    ("fourth (gamma 3)", "bench/results/archive/training/smollm2_drafter4_training.json"),
+    ("fifth (gamma 3, 24k steps)", "bench/results/archive/training/smollm2_drafter5_training.json"),
     ("sixth (+ second turns, 20k steps)",
-     "bench/results/training/smollm2_drafter6_training.json"),
+     "bench/results/archive/training/smollm2_drafter6_training.json"),
     ("seventh (+ soft labels, 16k steps)",
-     "bench/results/training/smollm2_drafter7_training.json"),
+     "bench/results/archive/training/smollm2_drafter7_training.json"),
     ("eighth (seventh's recipe, 24k steps)",
-     "bench/results/training/smollm2_drafter8_training.json"),
+     "bench/results/archive/training/smollm2_drafter8_training.json"),
     ("ninth (+ 10 000 self-written prompts, 18k steps)",
-     "bench/results/training/smollm2_drafter9_training.json"),
+     "bench/results/archive/training/smollm2_drafter9_training.json"),
     ("twelfth (shipped, ninth's data, loss weighted by reach, gamma 7)",
      "models/smollm2-135m-instruct-dflash/training.json"),
 ]
 NOT_SHIPPED = [  # label, training.json, colour: dashed curves of runs not shipped
     ("eighth + 10 000 self-written prompts, 24k steps (stopped at 23k)",
-     "bench/results/training/smollm2_self_prompts_partial.json", "gold"),
+     "bench/results/archive/training/smollm2_self_prompts_partial.json", "gold"),
     ("tenth: the ninth's recipe, 21k steps (level with the ninth, not shipped)",
-     "bench/results/training/smollm2_drafter10_training.json", "black"),
+     "bench/results/archive/training/smollm2_drafter10_training.json", "black"),
     ("eleventh: the ninth's recipe, FFN 2048 wide (level with the ninth, not shipped)",
-     "bench/results/training/smollm2_drafter11_training.json", "tab:olive"),
+     "bench/results/archive/training/smollm2_drafter11_training.json", "tab:olive"),
     ("thirteenth: the twelfth's command, layers started from the target's (behind, not shipped)",
-     "bench/results/training/smollm2_drafter13_training.json", "tab:brown"),
+     "bench/results/archive/training/smollm2_drafter13_training.json", "tab:brown"),
 ]
 CONTINUED_FROM = "third"
-CONTINUED = "bench/results/training/smollm2_continued_training.json"
+CONTINUED = "bench/results/archive/training/smollm2_continued_training.json"
 
 
 def curve(summary: dict, offset: float = 0.0) -> tuple[list[float], list[float]]:

@@ -32,7 +32,7 @@ N = 48
 # shipped drafter (1.59), so losing the trained weights or falling back to the first ones fails.
 TAU_FLOOR = 2.0
 # A tree of 63 drafts (greedy, block 16): measured 3.59 on these prompts; over the held-out
-# prompts 3.5 / 3.2 where the chain reaches 2.4 / 2.2 (docs/benchmarks.md, eighteenth finding).
+# prompts 3.5 / 3.2 where the chain reaches 2.4 / 2.2 (docs/drafter-research.md, 18th finding).
 # The floor sits above anything the chain reaches here, so a tree that silently fell back to a
 # chain fails.
 TREE_TAU_FLOOR = 2.8
