@@ -24,10 +24,10 @@ import torch
 
 from bench.report import machine
 from runtime.models.dflash import TargetHead, load_dflash
-from services.draft.training.blocks import accepted_drafts, block_inputs, draft_hidden
-from services.draft.training.evaluate import default_target
-from services.draft.training.features import FeatureExtractor
-from services.draft.training.generate import Example, load_examples, shuffled
+from train.blocks import accepted_drafts, block_inputs, draft_hidden
+from train.evaluate import default_target
+from train.features import FeatureExtractor
+from train.generate import Example, load_examples, shuffled
 
 
 @dataclass

@@ -64,9 +64,9 @@ def _time(fn) -> float:
 
 def _worker():
     """SmolLM2 fp32 with PREFIX cached tokens: (forward+logits timing function)."""
+    from dflash.prepare.smollm2 import prepare_smollm2
     from runtime.attention.metadata import SeqSlice
     from runtime.kv_cache import PageTable
-    from runtime.prepare.smollm2 import prepare_smollm2
     from services.target.config import TargetConfig
     from services.target.worker import TargetWorker
     target = str(prepare_smollm2(["float32"], progress=False)["float32"])

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
+from dflash.make_draft import make_random_drafter
 from runtime import threads
 from services.draft.config import DraftConfig
 from services.draft.dflash_drafter import DFlashDrafter
 from services.draft.engine import DraftEngine, ProposeCall
-from services.draft.make_random import make_random_drafter
 
 BLOCKS, BATCHES, LAYERS = (4, 8, 16), (1, 8), (1, 2)
 CONTEXT, NEW_ROWS, APPEND = 512, 4, 1000
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtypes", nargs="+", default=["float32"], help="draft dtypes measured")
     args = p.parse_args(argv)
     threads.serial()            # only the engine thread computes in parallel (runtime.threads)
-    from runtime.prepare.smollm2 import prepare_smollm2
+    from dflash.prepare.smollm2 import prepare_smollm2
     target = prepare_smollm2(["float32"], progress=False)["float32"]
     result: dict = {"machine": platform.platform(), "processor": platform.processor(),
                     "torch": torch.__version__, "threads": args.threads or threads.COMPUTE_THREADS,

@@ -56,10 +56,10 @@ def main() -> None:
     ap.add_argument("--draft-model", default="models/smollm2-135m-instruct-dflash")
     ap.add_argument("--out", default="bench/results/drafter_cpu.json")
     args = ap.parse_args()
-    from runtime.prepare.smollm2 import prepare_smollm2
+    from dflash.prepare.smollm2 import prepare_smollm2
     from runtime.tokenizer import ChatTokenizer
-    from services.draft.training.generate import chat_prompt_ids
-    from services.draft.training.prompts import load_prompts
+    from train.generate import chat_prompt_ids
+    from train.prompts import load_prompts
     model_dir = prepare_smollm2(["float32"], progress=False)["float32"]
     tok = ChatTokenizer(model_dir)
     records = random.Random(1).sample(load_prompts("eval_in"), args.prompts)

@@ -78,7 +78,7 @@ class Services:
 
     def __init__(self, drafter: str, log_dir: Path, **options) -> None:
         """options: further StackOptions (device, dtype, model_dir, ... for the GPU runs)."""
-        from gateway.launcher import Stack, StackOptions
+        from dflash.stack import Stack, StackOptions
         self.opts = StackOptions(http_port=free_port(), port=free_port(),
                                  target_port=free_port(), draft_port=free_port(),
                                  target_metrics_port=free_port(), draft_metrics_port=free_port(),
@@ -463,8 +463,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.render_only:
         write_section(Path(args.doc), SECTION, markdown(json.loads(Path(args.out).read_text())))
         return
-    from gateway.launcher import DEFAULT_DRAFTER
-    from runtime.prepare.smollm2 import prepare_smollm2
+    from dflash.prepare.smollm2 import prepare_smollm2
+    from dflash.stack import DEFAULT_DRAFTER
     from runtime.tokenizer import ChatTokenizer
     model_dir = prepare_smollm2(["float32"], progress=False)["float32"]
     tok = ChatTokenizer(model_dir)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.gpu_side_by_side import _bytes
 from bench.h200_micro import QWEN3_8B, write_model_dirs
-from runtime.bench_switches import FORCE_TAU_ENV, RANDOM_WEIGHTS_ENV
+from dflash.harness import ForcedAcceptance
 
 
 def main() -> None:
@@ -22,12 +22,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
-    os.environ[RANDOM_WEIGHTS_ENV] = "1"
-    os.environ[FORCE_TAU_ENV] = "6.4"
     from runtime.sampling import SamplingConfig
+    from services.common.hooks import ServiceHooks
     from services.draft.config import DraftConfig
-    from services.draft.training.inproc import speculate, start_engines
     from services.target.config import TargetConfig
+    from services.target.hooks import TargetHooks
+    from train.inproc import speculate, start_engines
     taps = (1, 9, 17, 25, 33)
     tdir, ddir = write_model_dirs(Path("/tmp/gpu_profile_models"), QWEN3_8B, list(taps))
     engines = start_engines(
@@ -35,7 +35,9 @@ def main() -> None:
                      attention_backend="triton", max_block_size=16, kv_budget_bytes=_bytes("20GiB"),
                      graph_capture_layers=taps),
         DraftConfig(target_dir=str(tdir), model_dir=str(ddir), device="cuda", dtype="bfloat16",
-                    attention_backend="triton", kv_budget_bytes=_bytes("2GiB")))
+                    attention_backend="triton", kv_budget_bytes=_bytes("2GiB")),
+        TargetHooks(random_weights=True, forced_acceptance=ForcedAcceptance(6.4)),
+        ServiceHooks(random_weights=True))
     engines.target.worker.capture_cuda_graphs()
     engines.draft.drafter.capture_cuda_graphs()
     prompt = list(range(100, 228))

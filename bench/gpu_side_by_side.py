@@ -4,7 +4,7 @@ Qwen3-8B-shaped target (random bf16 weights) with a DFlash-shaped drafter (5 lay
 1, 9, 17, 25, 33, block 16), on one GPU:
   (a) autoregressive decoding through our target service (gateway with no draft);
   (b) transformers' `generate` with a static cache (which transformers compiles), and dynamic;
-  (c) speculative decoding in-process (engine calls, no gRPC: services/draft/training/inproc.py);
+  (c) speculative decoding in-process (engine calls, no gRPC: train/inproc.py);
   (d) speculative decoding through the three services over gRPC on loopback, for each wire
       (unary calls, and one bidirectional stream per gateway connection);
 at concurrency 1, 8 and 32: output tokens/s and the per-step split into draft, verify and
@@ -12,7 +12,7 @@ gateway/wire (from the gateway's stage timings and the services' handler times o
 time to first token for a 1000-token prompt; the bandwidth floor per step.
 
 Acceptance with random weights is near zero, so the target accepts a FORCED number of drafts
-(DFLASH_BENCH_FORCE_TAU, benchmark-only, logged by the target): every speculative number is
+(TargetHooks.forced_acceptance through dflash/harness.py, benchmark-only, logged): every speculative number is
 reported beside the forced tau (6.4 and 3). Health transitions of both services are recorded
 from start to SERVING (warm-up includes kernel JIT and CUDA-graph capture).
 
@@ -44,7 +44,7 @@ from bench.h200_micro import (
     guarded,
     write_model_dirs,
 )
-from runtime.bench_switches import FORCE_TAU_ENV, RANDOM_WEIGHTS_ENV
+from dflash.harness import ForcedAcceptance, HookFlags
 
 TAUS = (6.4, 3.0)
 LEVELS = (1, 8, 32)
@@ -116,7 +116,7 @@ class GpuStack:
 
     def __init__(self, tdir: Path, ddir: Path | None, args, log_dir: Path, taps: list[int],
                  tau: float | None) -> None:
-        from gateway.launcher import Stack, StackOptions
+        from dflash.stack import Stack, StackOptions
         self.taps, self.tau = taps, tau
         capture = ",".join(map(str, taps)) if ddir is not None else ""
         self.opts = StackOptions(
@@ -129,40 +129,31 @@ class GpuStack:
             target_args=("--kv-budget", args.target_kv, "--max-block-size", "16",
                          "--graph-capture-layers", capture, "--token-budget", "2048"),
             draft_args=("--kv-budget", args.draft_kv, "--token-budget", "8192"),
-            gateway_args=("--wire", WIRES[0], "--max-message-mib", "512"))
+            gateway_args=("--wire", WIRES[0], "--max-message-mib", "512"),
+            target_hooks=HookFlags(random_weights=True, force_tau=tau or 0.0),
+            draft_hooks=HookFlags(random_weights=True))
         self.stack = Stack(self.opts)
         self.gateways = {WIRES[0]: (self.opts.port, self.opts.http_port)}
 
     def start(self) -> dict:
         t0 = time.monotonic()
-        env_before = os.environ.get(FORCE_TAU_ENV)
-        if self.tau is not None:
-            os.environ[FORCE_TAU_ENV] = str(self.tau)
-        else:
-            os.environ.pop(FORCE_TAU_ENV, None)
         health: list[HealthLog] = []
-        try:
-            self.stack.start()          # children first: no fork while gRPC threads run here
-            health.append(HealthLog("target", f"127.0.0.1:{self.opts.target_port}",
-                                    "dflash.v1.Target", t0))
-            if self.opts.drafter != "none":
-                health.append(HealthLog("draft", f"127.0.0.1:{self.opts.draft_port}",
-                                        "dflash.v1.Draft", t0))
-            self.stack.wait_ready()
-            events = {h.name: h.stop() for h in health}
-            if self.opts.drafter != "none":
-                self._second_gateway(WIRES[1])
-        finally:
-            if env_before is None:
-                os.environ.pop(FORCE_TAU_ENV, None)
-            else:
-                os.environ[FORCE_TAU_ENV] = env_before
+        self.stack.start()              # children first: no fork while gRPC threads run here
+        health.append(HealthLog("target", f"127.0.0.1:{self.opts.target_port}",
+                                "dflash.v1.Target", t0))
+        if self.opts.drafter != "none":
+            health.append(HealthLog("draft", f"127.0.0.1:{self.opts.draft_port}",
+                                    "dflash.v1.Draft", t0))
+        self.stack.wait_ready()
+        events = {h.name: h.stop() for h in health}
+        if self.opts.drafter != "none":
+            self._second_gateway(WIRES[1])
         time.sleep(0.5)
         return {"ready_s": round(time.monotonic() - t0, 1), "health": events}
 
     def _second_gateway(self, wire: str) -> None:
         """Another gateway on the same target and draft, with the other wire."""
-        from gateway.launcher import readiness
+        from dflash.stack import readiness
         port, http = free_port(), free_port()
         child = self.stack.add_gateway(f"gateway-{wire}", port, http, "--wire", wire)
         deadline = time.monotonic() + 120
@@ -228,25 +219,24 @@ def service_ttft(stack: GpuStack, prompt: list[int], wire: str) -> dict:
 def inprocess(tdir: Path, ddir: Path | None, args, prompts, max_tokens: int, tau: float | None,
               levels, ttft_prompt: list[int] | None) -> dict:
     from runtime.sampling import SamplingConfig
+    from services.common.hooks import ServiceHooks
     from services.draft.config import DraftConfig
-    from services.draft.training.inproc import speculate, start_engines
     from services.target.config import TargetConfig
-    if tau is not None:
-        os.environ[FORCE_TAU_ENV] = str(tau)
+    from services.target.hooks import TargetHooks
+    from train.inproc import speculate, start_engines
     taps = tuple(json.loads((ddir / "config.json").read_text())["dflash_config"]["target_layer_ids"]) \
         if ddir is not None else ()
-    try:
-        engines = start_engines(
-            TargetConfig(model_dir=str(tdir), device=args.device, dtype=args.dtype,
-                         attention_backend=args.backend, max_block_size=16,
-                         kv_budget_bytes=_bytes(args.target_kv), graph_capture_layers=taps,
-                         token_budget=2048),
-            DraftConfig(target_dir=str(tdir), model_dir=str(ddir), device=args.device,
-                        dtype=args.dtype, attention_backend=args.backend,
-                        kv_budget_bytes=_bytes(args.draft_kv), token_budget=8192)
-            if ddir is not None else None)
-    finally:
-        os.environ.pop(FORCE_TAU_ENV, None)
+    forced = ForcedAcceptance(tau) if tau is not None else None
+    engines = start_engines(
+        TargetConfig(model_dir=str(tdir), device=args.device, dtype=args.dtype,
+                     attention_backend=args.backend, max_block_size=16,
+                     kv_budget_bytes=_bytes(args.target_kv), graph_capture_layers=taps,
+                     token_budget=2048),
+        DraftConfig(target_dir=str(tdir), model_dir=str(ddir), device=args.device,
+                    dtype=args.dtype, attention_backend=args.backend,
+                    kv_budget_bytes=_bytes(args.draft_kv), token_budget=8192)
+        if ddir is not None else None,
+        TargetHooks(random_weights=True, forced_acceptance=forced), ServiceHooks(random_weights=True))
     engines.target.worker.capture_cuda_graphs()
     out: dict = {"rows": []}
     if engines.draft is not None:
@@ -441,7 +431,6 @@ def main(argv: list[str] | None = None) -> None:
     args.backend = "torch" if args.tiny else "triton"
     args.target_kv = "64MiB" if args.tiny else "40GiB"
     args.draft_kv = "32MiB" if args.tiny else "6GiB"
-    os.environ[RANDOM_WEIGHTS_ENV] = "1"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rec = Recorder(out / "gpu_side_by_side.json")
@@ -460,7 +449,8 @@ def main(argv: list[str] | None = None) -> None:
     rec.put("setup", {"target": "Qwen3-8B shape, random bf16" if not args.tiny else "tiny",
                       "drafter": f"DFlash 5 layers, taps {taps}, block 16",
                       "prompt_tokens": prompt_len, "max_tokens": max_tokens,
-                      "forced_tau": list(TAUS), "switches": [RANDOM_WEIGHTS_ENV, FORCE_TAU_ENV]})
+                      "forced_tau": list(TAUS),
+                      "hooks": ["random_weights", "forced_acceptance"]})
     bw = copy_bandwidth(args.device)
     wb = weight_bytes(shape, 5, len(taps))
     rec.put("floor", {"copy_GBps": round(bw, 1), "target_bytes": wb["target"],

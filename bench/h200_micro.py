@@ -1,6 +1,6 @@
 """python -m bench.h200_micro [--tiny]: GPU measurements for issue 7 that fit one short lease.
 
-Qwen3-8B-shaped target (random bf16 weights, DFLASH_BENCH_RANDOM_WEIGHTS) and a DFlash-shaped
+Qwen3-8B-shaped target (random bf16 weights: ServiceHooks.random_weights) and a DFlash-shaped
 drafter (5 layers, taps 1, 9, 17, 25, 33, block 16), timed in-process with CUDA events:
   copy bandwidth; verify attention (triton vs flashinfer) at context 4096, B = 16, batch 32;
   target forward + LM head per verify step (eager and CUDA graph) at batch 1/8/32, B = 1/16;
@@ -16,8 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-
-os.environ.setdefault("DFLASH_BENCH_RANDOM_WEIGHTS", "1")
 
 QWEN3_8B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936,
             "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
@@ -110,11 +108,13 @@ def target_steps(tdir: Path, device: str, rec: Recorder, batches, blocks, ctx: i
     from runtime.attention.metadata import SeqSlice
     from runtime.kv_cache import PageTable
     from services.target.config import TargetConfig
+    from services.target.hooks import TargetHooks
     from services.target.worker import TargetWorker
     dtype = "bfloat16" if device == "cuda" else "float32"
-    w = TargetWorker.started(TargetConfig(model_dir=str(tdir), device=device, dtype=dtype,
-                                  attention_backend=backend, kv_budget_bytes=(24 << 30) if device == "cuda" else (64 << 20),
-                                  max_block_size=16))
+    config = TargetConfig(model_dir=str(tdir), device=device, dtype=dtype,
+                          attention_backend=backend, max_block_size=16,
+                          kv_budget_bytes=(24 << 30) if device == "cuda" else (64 << 20))
+    w = TargetWorker.started(config, TargetHooks(random_weights=True))
     out = {}
     for bs in batches:
         tables = [PageTable() for _ in range(bs)]
@@ -171,7 +171,8 @@ def draft_steps(tdir: Path, ddir: Path, device: str, rec: Recorder, batches, ctx
     dtype = "bfloat16" if device == "cuda" else "float32"
     d = make_drafter(DraftConfig(target_dir=str(tdir), model_dir=str(ddir), device=device,
                                  dtype=dtype, attention_backend=backend,
-                                 kv_budget_bytes=(8 << 30) if device == "cuda" else (64 << 20)))
+                                 kv_budget_bytes=(8 << 30) if device == "cuda" else (64 << 20)),
+                     random_weights=True)
     d.init_backend()
     out = {}
     width = d.facts.feature_width

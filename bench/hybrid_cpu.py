@@ -41,7 +41,7 @@ BLOCKS, BATCHES = (1, 8, 16), (1, 4)
 def write_models(root: Path) -> dict[str, Path]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from runtime.prepare.tiny_hybrid import make_tiny_hybrid
+    from dflash.prepare.tiny_hybrid import make_tiny_hybrid
     hybrid = make_tiny_hybrid(root / "hybrid", **HYBRID)
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**DENSE)).save_pretrained(root / "dense")

@@ -211,7 +211,7 @@ def run_load(http_url: str, seconds: float, concurrency: int, seed: int = 0) -> 
 
 
 def run_and_render(args: argparse.Namespace) -> Path:
-    from gateway.launcher import Stack, StackOptions
+    from dflash.stack import Stack, StackOptions
     os.environ["DFLASH_MAX_RUNNING"] = str(args.max_running)      # the gateway reads it
     work = Path(tempfile.mkdtemp(prefix="dflash-render-"))
     ports = {k: free_port() for k in ("http", "grpc", "target", "draft", "tm", "dm")}

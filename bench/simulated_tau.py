@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from runtime.attention.registry import default_backend
-from services.draft.training.evaluate import default_target
-from services.draft.training.generate import load_examples, shuffled
-from services.draft.training.report import evaluate_splits
-from services.draft.training.trainer import TrainConfig
+from train.config import TrainConfig
+from train.evaluate import default_target
+from train.generate import load_examples, shuffled
+from train.report import evaluate_splits
 
 
 def main(argv: list[str] | None = None) -> None:

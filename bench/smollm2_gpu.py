@@ -40,7 +40,7 @@ def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir:
 
 
 def prompts(n: int) -> tuple[list[str], list[str]]:
-    from services.draft.training.prompts import load_prompts
+    from train.prompts import load_prompts
     texts, kinds = [], []
     for split in ("eval_in", "eval_unseen"):
         recs = load_prompts(split)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="only our two stacks (e.g. to rerun them with another drafter)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp") + "/smollm2_gpu.json")
     args = ap.parse_args(argv)
-    from runtime.prepare.smollm2 import prepare_smollm2
+    from dflash.prepare.smollm2 import prepare_smollm2
     from runtime.tokenizer import ChatTokenizer
     model_dir = prepare_smollm2([args.dtype], progress=False)[args.dtype]
     tok = ChatTokenizer(model_dir)

@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if render_only(args, SECTION, markdown):
         return
-    from gateway.launcher import CPU_SPEC_DISABLE_BATCH
-    from runtime.prepare.smollm2 import prepare_smollm2
+    from dflash.prepare.smollm2 import prepare_smollm2
+    from dflash.stack import CPU_SPEC_DISABLE_BATCH
     from runtime.tokenizer import ChatTokenizer
     tok = ChatTokenizer(prepare_smollm2(["float32"], progress=False)["float32"])
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))

@@ -10,8 +10,9 @@ import argparse
 import json
 import tempfile
 
-from services.draft.training.generate import load_examples
-from services.draft.training.trainer import TrainConfig, train
+from train.config import TrainConfig
+from train.generate import load_examples
+from train.trainer import train
 
 
 def main(argv: list[str] | None = None) -> None:

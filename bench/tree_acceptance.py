@@ -33,7 +33,7 @@ from bench.anchor_positions import (
 from bench.report import machine
 from runtime.draft_tree import best_prefixes
 from runtime.models.dflash import TargetHead
-from services.draft.training.generate import Example
+from train.generate import Example
 
 TOP_K = 16                      # candidates kept per draft position (enough for N <= 256)
 CHUNK = 64                      # anchors per logits pass: [CHUNK, B-1, V] fp32 at a time

@@ -172,8 +172,8 @@ def median_row(rows: list[dict], key: str) -> dict:
 def end_to_end(rounds: int, max_tokens: int, log_dir: Path) -> dict:
     """Two stacks, one per wire, both up; one request at a time, the wires taking turns."""
     from bench.gateway_cpu import Services, _grpc_ids, drive, step_breakdown
-    from gateway.launcher import DEFAULT_DRAFTER
-    from runtime.prepare.smollm2 import prepare_smollm2
+    from dflash.prepare.smollm2 import prepare_smollm2
+    from dflash.stack import DEFAULT_DRAFTER
     from runtime.tokenizer import ChatTokenizer
     tok = ChatTokenizer(prepare_smollm2(["float32"], progress=False)["float32"])
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))

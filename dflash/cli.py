@@ -8,13 +8,13 @@ import sys
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "prepare-model": ("runtime.prepare.cli", "download and convert a real model into the models home"),
-    "make-draft": ("services.draft.make_random", "create a random-initialised DFlash drafter for a target"),
-    "up": ("gateway.launcher", "start target, draft and gateway on this machine"),
-    "demo": ("gateway.demo", "start the local stack and run a short chat through the OpenAI API"),
-    "train-draft": ("services.draft.training.cli", "train a DFlash drafter for a target"),
-    "eval-draft": ("services.draft.training.evaluate", "measure a drafter's acceptance length"),
-    "build-prompts": ("services.draft.training.prompts", "build the offline prompt set"),
+    "prepare-model": ("dflash.prepare.cli", "download and convert a real model into the models home"),
+    "make-draft": ("dflash.make_draft", "create a random-initialised DFlash drafter for a target"),
+    "up": ("dflash.up", "start target, draft and gateway on this machine"),
+    "demo": ("dflash.demo", "start the local stack and run a short chat through the OpenAI API"),
+    "train-draft": ("train.cli", "train a DFlash drafter for a target"),
+    "eval-draft": ("train.evaluate", "measure a drafter's acceptance length"),
+    "build-prompts": ("train.prompts", "build the offline prompt set"),
 }
 
 

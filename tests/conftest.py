@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from support.tiny_models import make_tiny
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -19,7 +18,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct, fp32, HF format (prepared once into the models home)."""
-    from runtime.prepare.smollm2 import prepare_smollm2
+    from dflash.prepare.smollm2 import prepare_smollm2
     return prepare_smollm2(["float32"], progress=False)["float32"]
 
 

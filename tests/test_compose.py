@@ -89,7 +89,7 @@ def test_gpu_override_validates_and_selects_cuda(monkeypatch):
 def test_cpu_stack_runs_dflash_up_dtypes(parsed):
     """As `dflash up` on the CPU: an fp32 target and a draft of dtype auto (CPU_DFLASH_DRAFT_DTYPE:
     bf16 where the host's CPU computes it natively)."""
-    from gateway.launcher import CPU_DFLASH_DRAFT_DTYPE
+    from dflash.stack import CPU_DFLASH_DRAFT_DTYPE
     assert (parsed["target"].dtype, parsed["target"].device) == ("float32", "cpu")
     assert (parsed["draft"].dtype, parsed["draft"].device) == (CPU_DFLASH_DRAFT_DTYPE, "cpu")
 
@@ -143,7 +143,7 @@ def test_models_prepared_once_into_the_named_volume(compose, parsed):
     assert prepare["command"][:4] == ["python", "-m", "dflash.cli", "prepare-model"]
     import argparse
 
-    from runtime.prepare import cli
+    from dflash.prepare import cli
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
     args = p.parse_args(prepare["command"][4:])
@@ -159,8 +159,8 @@ def test_models_prepared_once_into_the_named_volume(compose, parsed):
 
 
 def test_draft_is_the_shipped_trained_drafter(parsed):
-    """The same drafter `dflash up` picks by default (gateway/launcher.py)."""
-    from gateway.launcher import DEFAULT_DRAFTER, SHIPPED_DRAFTER
+    """The same drafter `dflash up` picks by default (dflash/stack.py)."""
+    from dflash.stack import DEFAULT_DRAFTER, SHIPPED_DRAFTER
     args = parsed["draft"]
     assert args.drafter == DEFAULT_DRAFTER == "dflash"
     assert args.model.startswith(f"{WORKDIR}/")

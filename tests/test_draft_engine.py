@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash.make_draft import make_random_drafter
 from services.common.errors import NotFound, ResourceExhausted
 from services.draft.config import DraftConfig
 from services.draft.dflash_drafter import DFlashDrafter
 from services.draft.engine import DraftEngine, ProposeCall
-from services.draft.make_random import make_random_drafter
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from support.dflash_reference import ReferenceDFlash
 from support.tiny_models import make_tiny
 
+from dflash.make_draft import default_mask_token_id, make_random_drafter
 from runtime.models.dflash import (
     DFlashConfig,
     TargetFingerprint,
@@ -23,9 +24,8 @@ from runtime.models.dflash import (
 from services.draft.config import DraftConfig
 from services.draft.dflash_drafter import DFlashDrafter, compatibility_problems
 from services.draft.drafter import DrafterRefused, ProposeItem
-from services.draft.make_random import default_mask_token_id, make_random_drafter
 from services.draft.sequence import DraftSequence
-from services.draft.training.blocks import draft_hidden
+from train.blocks import draft_hidden
 
 LAYER_IDS = [1, 2]           # tiny targets have 4 layers
 

@@ -16,11 +16,12 @@ from support.dflash_reference import ReferenceDFlash
 from support.draft_service import SERVICE, propose_request, start_draft
 from support.procs import free_port, health_status, start_target
 
+from dflash.harness import HookFlags
+from dflash.make_draft import make_random_drafter
 from dflash.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from runtime.draft_tree import DraftTree, best_prefixes, parents_problem
 from runtime.models.dflash import TargetFingerprint
 from services.common import tensor_codec
-from services.draft.make_random import make_random_drafter
 
 pytestmark = pytest.mark.slow
 H = 576                     # SmolLM2 hidden size; the drafter taps one layer: K*H = 576
@@ -242,7 +243,8 @@ def test_metrics(service, stub):
 
 
 def test_readiness_through_a_health_watch(smol_draft, smollm2_dir, log_dir):
-    p = start_draft(smollm2_dir, log_dir, "--warmup-delay", "3", model_dir=smol_draft, wait=False)
+    p = start_draft(smollm2_dir, log_dir, model_dir=smol_draft, wait=False,
+                    hooks=HookFlags(warmup_delay_s=3))
     try:
         with grpc.insecure_channel(p.address) as ch:
             grpc.channel_ready_future(ch).result(timeout=60)

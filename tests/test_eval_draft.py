@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.draft.training.evaluate import add_arguments, evaluate
+from train.evaluate import add_arguments, evaluate
 
 REPO = Path(__file__).resolve().parents[1]
 

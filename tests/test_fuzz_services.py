@@ -27,9 +27,9 @@ from support.fuzz import (
 from support.procs import health_status, start_target
 from support.reliability import BLOCK, TARGET_FLAGS, tiny_hybrid
 
+from dflash.make_draft import make_random_drafter
 from dflash.v1 import common_pb2, draft_pb2, target_pb2
 from services.common import tensor_codec
-from services.draft.make_random import make_random_drafter
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ from support.draft_service import start_draft
 from support.gateway_stack import GreedyReference, generate_concurrently, start_gateway, wait_until
 from support.procs import ServiceProcess, start_target
 
+from dflash.make_draft import make_random_drafter
 from dflash.v1 import common_pb2, gateway_pb2
 from runtime.tokenizer import ChatTokenizer
-from services.draft.make_random import make_random_drafter
 
 pytestmark = pytest.mark.slow
 

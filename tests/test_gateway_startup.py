@@ -17,9 +17,10 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support.draft_service import start_draft
 from support.gateway_stack import start_gateway, wait_until
-from support.procs import ServiceProcess, free_port, health_status, start_target
+from support.procs import ServiceProcess, free_port, health_status, service_command, start_target
 from support.prom import scrape
 
+from dflash.harness import HookFlags
 from dflash.v1 import common_pb2, gateway_pb2
 
 pytestmark = pytest.mark.slow
@@ -81,9 +82,9 @@ def test_gateway_waits_for_a_slow_target_before_asking_capabilities(smollm2_dir,
             gw.stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=10)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
-        target = ServiceProcess("services.target", [
+        target = ServiceProcess(*service_command("target", [
             "--model", str(smollm2_dir), "--port", str(port), "--host", "127.0.0.1",
-            "--metrics-port", str(metrics_port), "--warmup-delay", "6"],
+            "--metrics-port", str(metrics_port)], HookFlags(warmup_delay_s=6)),
             "dflash.v1.Target", port, logs).start()
         wait_until(lambda: health_status(target.address, "dflash.v1.Target") == NOT_SERVING,
                    timeout=60, what="target listening, warming up")

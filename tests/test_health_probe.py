@@ -11,6 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from support.procs import REPO, free_port, health_status, start_target
 
+from dflash.harness import HookFlags
+
 pytestmark = pytest.mark.slow           # a target and a probe process per check
 
 TARGET = "dflash.v1.Target"
@@ -27,8 +29,8 @@ def probe(address: str, service: str, *extra: str) -> subprocess.CompletedProces
 def warming_target(tiny_llama_dir, tmp_path_factory):
     """A target that is listening (health "" answers) but still NOT_SERVING for WARMUP_S
     (the first test sees it so; the others do not depend on its state)."""
-    p = start_target(tiny_llama_dir, tmp_path_factory.mktemp("probe_logs"), "--warmup-delay",
-                     str(WARMUP_S), wait=False)
+    p = start_target(tiny_llama_dir, tmp_path_factory.mktemp("probe_logs"), wait=False,
+                     hooks=HookFlags(warmup_delay_s=WARMUP_S))
     deadline = time.monotonic() + 60
     while health_status(p.address, TARGET) is None:
         assert p.proc.poll() is None, p.log()

@@ -18,6 +18,7 @@ from support.draft_service import start_draft
 from support.hybrid import hf_greedy, hf_model, make_tiny_hybrid
 from support.procs import ServiceProcess, free_port, health_status, start_target
 
+from dflash.harness import HookFlags
 from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from runtime.tokenizer import ChatTokenizer
 from services.draft.prompt_lookup import propose_ngram
@@ -118,7 +119,8 @@ def test_speculative_output_equals_autoregressive_and_transformers(
 
 
 def test_the_same_run_with_the_commit_skipped_differs(model_dir, logs, draft, prompt, reference):
-    target = start_target(model_dir, logs, *TARGET_FLAGS, "--unsafe-skip-mamba-commit")
+    target = start_target(model_dir, logs, *TARGET_FLAGS,
+                          hooks=HookFlags(skip_mamba_commit=True))
     gateway = start_gateway(target, draft, model_dir, logs)
     try:
         spec, _, usage = generate(gateway, prompt)
@@ -129,7 +131,7 @@ def test_the_same_run_with_the_commit_skipped_differs(model_dir, logs, draft, pr
 
 
 def test_gateway_refuses_a_hybrid_target_that_cannot_commit(model_dir, logs, draft, prompt):
-    target = start_target(model_dir, logs, *TARGET_FLAGS, "--no-mamba-commit")
+    target = start_target(model_dir, logs, *TARGET_FLAGS, hooks=HookFlags(no_mamba_commit=True))
     gateway = start_gateway(target, draft, model_dir, logs, wait=False)
     try:
         reason = _refusal(gateway)

@@ -12,10 +12,12 @@ from support.hybrid import hf_greedy, hf_model, make_tiny_hybrid
 from support.procs import free_port, start_target
 from support.target_client import TargetClient, expect_status
 
+from dflash.harness import HookFlags
 from runtime.attention.hybrid import HybridAttnBackend, can_commit_mamba_state
 from services.common.errors import NotReady
 from services.common.tensor_codec import decode
 from services.target.config import TargetConfig
+from services.target.hooks import TargetHooks
 from services.target.servicer import capabilities
 from services.target.worker import TargetWorker
 
@@ -43,9 +45,10 @@ def server(hybrid_dir, logs):
 
 # -- start-up order (in-process) ------------------------------------------------------------
 
-def _worker(model_dir, **config) -> TargetWorker:
+def _worker(model_dir, **hooks) -> TargetWorker:
     return TargetWorker(TargetConfig(model_dir=str(model_dir), page_size=4,
-                                     kv_budget_bytes=16 << 20, max_block_size=8, **config))
+                                     kv_budget_bytes=16 << 20, max_block_size=8),
+                        TargetHooks(**hooks))
 
 
 def _not_ready(worker: TargetWorker) -> str:
@@ -54,14 +57,14 @@ def _not_ready(worker: TargetWorker) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("model, config, need", [
+@pytest.mark.parametrize("model, hooks, need", [
     ("hybrid", {}, True),
     ("hybrid", {"mamba_commit": False}, False),      # a state backend without the method
     ("dense", {"hybrid_wrapper": True}, False),      # a wrapper that only delegates
 ])
 def test_need_mamba_verify_commit_is_decided_in_init_attention_backends(
-        hybrid_dir, tiny_llama_dir, model, config, need):
-    worker = _worker(hybrid_dir if model == "hybrid" else tiny_llama_dir, **config)
+        hybrid_dir, tiny_llama_dir, model, hooks, need):
+    worker = _worker(hybrid_dir if model == "hybrid" else tiny_llama_dir, **hooks)
     assert "stage 'loaded'" in _not_ready(worker)
     worker.alloc_memory_pools()
     assert "stage 'pools'" in _not_ready(worker)
@@ -87,7 +90,8 @@ def test_a_hybrid_backend_without_commit_has_no_commit_method(hybrid_dir):
 
 @pytest.mark.slow              # two target processes
 def test_capabilities_report_hybrid_commit_and_state_slots(hybrid_dir, logs, server):
-    refused = start_target(hybrid_dir, logs, *SMALL, "--no-mamba-commit", "--state-slots", "5")
+    refused = start_target(hybrid_dir, logs, *SMALL, "--state-slots", "5",
+                           hooks=HookFlags(no_mamba_commit=True))
     try:
         for proc, commit, slots in ((server, True, 64), (refused, False, 5)):
             client = TargetClient(proc.address)
@@ -178,7 +182,7 @@ def speculate(client: TargetClient, seq: str, prompt: list[int], reference: list
 def test_speculative_verify_equals_greedy_and_needs_the_commit(hybrid_dir, logs, server):
     n = 40
     reference = hf_greedy(hf_model(hybrid_dir), PROMPT, n)
-    unsafe = start_target(hybrid_dir, logs, *SMALL, "--unsafe-skip-mamba-commit")
+    unsafe = start_target(hybrid_dir, logs, *SMALL, hooks=HookFlags(skip_mamba_commit=True))
     try:
         client = TargetClient(server.address)
         assert client.greedy("ar", PROMPT, n) == reference       # 1-token blocks

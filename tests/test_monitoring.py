@@ -38,6 +38,7 @@ from support.procs import REPO, free_port, health_status, start_target
 
 from bench import grafana_dashboard as dash
 from bench.local_prometheus import LocalPrometheus, Sample, ScrapeJob, finite
+from dflash.harness import HookFlags
 from dflash.v1 import (
     common_pb2,
     draft_pb2,
@@ -165,10 +166,10 @@ def test_readiness_gauges_zero_before_warmup_one_after(tiny_llama_dir, smollm2_d
     has no tokenizer of its own; the gateway tokenizes with SmolLM2's, as in its own tests.)"""
     NOT, SERVING = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
     tm, dm = free_port(), free_port()
-    target = start_target(tiny_llama_dir, log_dir, "--metrics-port", str(tm),
-                          "--warmup-delay", "6", wait=False)
+    target = start_target(tiny_llama_dir, log_dir, "--metrics-port", str(tm), wait=False,
+                          hooks=HookFlags(warmup_delay_s=6))
     draft = start_draft(tiny_llama_dir, log_dir, "--drafter", "prompt-lookup", "--metrics-port",
-                        str(dm), "--warmup-delay", "16", wait=False)
+                        str(dm), wait=False, hooks=HookFlags(warmup_delay_s=16))
     gw = start_gateway(target.address, smollm2_dir, log_dir, draft=draft.address, wait=False)
     try:
         for proc, port, name in ((target, tm, "target"), (draft, dm, "draft")):

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, pre_tokenizers
 
 from dflash.cli import main
-from runtime.prepare import smollm2
-from runtime.prepare.smollm2 import fetch_gguf, is_prepared, prepare_smollm2
+from dflash.prepare import smollm2
+from dflash.prepare.smollm2 import fetch_gguf, is_prepared, prepare_smollm2
 
 VARIED = [
     "The capital of France is",

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from services.draft.training import prompt_sources as sources
-from services.draft.training import prompts
-from services.draft.training.prompts import SPLITS, PromptRecord, load_prompts, shingles, skeleton
+from train import prompts
+from train.prompt_templates import load_templates
+from train.prompts import SPLITS, PromptRecord, load_prompts, shingles, skeleton
 
 REPO = Path(__file__).resolve().parents[1]
 FILES = [f"{s}.jsonl" for s in SPLITS] + ["manifest.json"]
@@ -71,9 +71,9 @@ def test_categories_per_split(committed):
     train = Counter(r.category for r in committed["train"])
     eval_in = Counter(r.category for r in committed["eval_in"])
     unseen = Counter(r.category for r in committed["eval_unseen"])
-    assert set(train) == set(sources.TRAINED_CATEGORIES)
+    assert set(train) == set(load_templates().trained)
     assert set(eval_in) == set(train), "every trained category is evaluated, nothing else"
-    assert set(unseen) == set(sources.UNSEEN_CATEGORIES) and 2 <= len(unseen) <= 3
+    assert set(unseen) == set(load_templates().unseen) and 2 <= len(unseen) <= 3
     assert not set(unseen) & set(train), "eval_unseen categories leaked into train"
     assert min(train.values()) >= 100 and min(eval_in.values()) >= 5
     assert min(unseen.values()) >= 40

@@ -29,7 +29,7 @@ from support.reliability import (
     wait_for,
 )
 
-from services.draft.make_random import make_random_drafter
+from dflash.make_draft import make_random_drafter
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ from support.reliability import (
 )
 from support.soak import REF_TOKENS, WORDS, Load, Target
 
-from services.draft.make_random import make_random_drafter
+from dflash.make_draft import make_random_drafter
 
 pytestmark = pytest.mark.slow
 

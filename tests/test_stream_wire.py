@@ -27,6 +27,7 @@ from support.gateway_stack import chat_prompts, generate_concurrently, start_gat
 from support.procs import ServiceProcess, free_port, start_target
 from support.target_client import TargetClient
 
+from dflash.make_draft import make_random_drafter
 from dflash.v1 import (
     common_pb2,
     draft_pb2,
@@ -40,7 +41,6 @@ from gateway.upstream import Upstream, UpstreamError
 from services.common.errors import NotFound
 from services.common.guard import Drain
 from services.common.server import Readiness, build_server
-from services.draft.make_random import make_random_drafter
 from services.target import servicer as target_servicer
 
 OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT

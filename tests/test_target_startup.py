@@ -14,9 +14,11 @@ from support.inproc_target import chunked_logits, loaded_worker
 from support.procs import health_status, start_target
 from support.target_client import TargetClient, rpc_error
 
+from dflash.harness import HookFlags
 from runtime.attention.hybrid import HybridAttnBackend
 from services.common.errors import NotReady
 from services.target.config import TargetConfig
+from services.target.hooks import TargetHooks
 from services.target.servicer import SERVICE_NAME, TargetServicer, capabilities
 from services.target.worker import TargetWorker
 
@@ -60,8 +62,8 @@ def test_worker_before_backends_is_not_ready(tiny_llama_dir):
 
 def test_dense_model_under_the_hybrid_wrapper(tiny_llama_dir):
     """A wrapper that only delegates must not make a dense model 'need mamba verify commit'."""
-    wrapped = TargetWorker(TargetConfig(model_dir=str(tiny_llama_dir), hybrid_wrapper=True,
-                                        page_size=4, kv_budget_bytes=1 << 20))
+    wrapped = TargetWorker(TargetConfig(model_dir=str(tiny_llama_dir), page_size=4,
+                                        kv_budget_bytes=1 << 20), TargetHooks(hybrid_wrapper=True))
     not_ready(lambda: wrapped.need_mamba_verify_commit)
     wrapped.alloc_memory_pools()
     wrapped.init_attention_backends()
@@ -117,7 +119,7 @@ class HealthWatch:
 
 @pytest.mark.slow
 def test_health_is_not_serving_until_warm_up_ends(tiny_llama_dir, log_dir):
-    server = start_target(tiny_llama_dir, log_dir, "--warmup-delay", "3", wait=False)
+    server = start_target(tiny_llama_dir, log_dir, wait=False, hooks=HookFlags(warmup_delay_s=3))
     watch = HealthWatch(server.address, SERVICE_NAME)
     client = TargetClient(server.address)
     unavailable: list[str] = []
@@ -150,8 +152,8 @@ def test_health_is_not_serving_until_warm_up_ends(tiny_llama_dir, log_dir):
 
 
 @pytest.mark.slow
-def test_hybrid_wrapper_flag_and_sigterm(tiny_llama_dir, log_dir):
-    server = start_target(tiny_llama_dir, log_dir, "--hybrid-wrapper")
+def test_hybrid_wrapper_hook_and_sigterm(tiny_llama_dir, log_dir):
+    server = start_target(tiny_llama_dir, log_dir, hooks=HookFlags(hybrid_wrapper=True))
     client = TargetClient(server.address)
     try:
         caps = client.capabilities()

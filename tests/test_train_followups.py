@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from runtime.tokenizer import ChatTokenizer
-from services.draft.training import prompt_sources as sources
-from services.draft.training.follow_ups import follow_up_prompts, requests_for
-from services.draft.training.generate import Example, chat_prompt_ids
+from train.follow_ups import follow_up_prompts, requests_for
+from train.generate import Example, chat_prompt_ids
+from train.prompt_templates import load_templates
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,8 @@ def test_follow_up_sets_are_seeded_and_differ_from_each_other(tok):
     assert [r.text for r in a0] != [r.text for r in a1]
     # category-specific requests are drawn too (code has its own besides the common ones)
     drawn = {r.text for r in a0 + a1}
-    assert drawn & set(sources.FOLLOW_UPS["code"]) and drawn & set(sources.FOLLOW_UPS["*"])
+    follow_ups = load_templates().follow_ups
+    assert drawn & set(follow_ups["code"]) and drawn & set(follow_ups["*"])
 
 
 def test_conversations_over_the_cap_are_left_out(tok):

@@ -11,8 +11,8 @@ import torch
 
 from runtime.models.dflash import TargetHead, load_dflash
 from runtime.tokenizer import ChatTokenizer
-from services.draft.training.acceptance import simulate_each
-from services.draft.training.blocks import (
+from train.acceptance import simulate_each
+from train.blocks import (
     accepted_drafts,
     block_inputs,
     block_loss,
@@ -21,9 +21,9 @@ from services.draft.training.blocks import (
     reach_weights,
     soft_targets,
 )
-from services.draft.training.features import FeatureCache, FeatureExtractor
-from services.draft.training.generate import answer_wave, chat_prompt_ids
-from services.draft.training.target_runner import TargetRunner
+from train.features import FeatureCache, FeatureExtractor
+from train.generate import answer_wave, chat_prompt_ids
+from train.target_runner import TargetRunner
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
 PROMPTS = ["Hi", "Explain why the sky is blue in two sentences please.", "List 3 fruits.",
@@ -242,8 +242,8 @@ def test_warm_start_copies_the_targets_last_layers_and_projects_the_deepest_tap(
     from runtime.config import read_config_json
     from runtime.models.dflash import DFlashConfig, DFlashDraftModel, init_random
     from runtime.models.registry import build_empty
-    from services.draft.training.trainer import (
-        TrainConfig,
+    from train.config import TrainConfig
+    from train.trainer import (
         draft_config_dict,
         init_from_target_layers,
     )
@@ -317,7 +317,7 @@ def test_hop_anchors_are_where_the_speculative_loop_of_the_shipped_drafter_goes(
         assert got.tolist() == [[loop[hops], loop[hops], loop[hops + 1]]]
     # bench.anchor_positions drafts at every position and replays the loop from a(p): the same
     from bench.anchor_positions import by_target_confidence, drafts_everywhere, hop, loop_offsets
-    from services.draft.training.generate import Example
+    from train.generate import Example
     d = drafts_everywhere(draft, head, ext, Example("p", "c", prompts[1], answer, 0.0))
     acc = d.accepted
     # the target's next token there is the greedy answer's; a first draft that is the target's

@@ -11,8 +11,9 @@ import torch
 from support.tiny_models import make_tiny
 
 from runtime.weights import read_tensors
-from services.draft.training.generate import Example
-from services.draft.training.trainer import TrainConfig, train
+from train.config import TrainConfig
+from train.generate import Example
+from train.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,7 @@ def test_intermediate_size_shapes_the_exported_drafter(tiny_target, tmp_path):
 def test_anchors_stay_in_the_answer_window(window):
     """Anchors lie in [prompt_len, len-2]; --anchor-window N keeps them in the answer's first N
     tokens (all of a short answer when N exceeds it)."""
-    from services.draft.training.trainer import Batcher
+    from train.trainer import Batcher
     cfg = TrainConfig(target_dir="", out_dir="", device="cpu", blocks_per_sequence=4,
                       anchor_window=window, max_len=64)
     batch = [Example("a", "c", [1] * 7, list(range(40)), 0.0),     # a long answer

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from runtime.tokenizer import ChatTokenizer
-from services.draft.training.generate import answer_wave
-from services.draft.training.self_prompts import request_text, user_turn_prefix, write_prompts
-from services.draft.training.target_runner import TargetRunner
+from train.generate import answer_wave
+from train.self_prompts import request_text, user_turn_prefix, write_prompts
+from train.target_runner import TargetRunner
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,7 @@ def _records(path: Path) -> list[dict]:
 
 
 def test_the_model_card_counts_self_written_requests_apart(tmp_path):
-    from services.draft.training.report import write_card
+    from train.report import write_card
     cfg = {"num_layers": 1, "block_size": 8, "mask_token_id": 16, "gamma": 3.0, "lr": 1e-3,
            "steps": 10, "batch_sequences": 4, "blocks_per_sequence": 8, "grad_clip": 1.0}
     summary = {"config": cfg, "target_layer_ids": [1, 5], "num_train_examples": 30,

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.kv_cache import PageTable, PagedKVCache
+from runtime.kv_cache import PagedKVCache, PageTable
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,35 @@ import triton.language as tl
 
 
 @triton.jit
+def _key_range(pre, kv_len, mblk, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """[first, last) of the key positions a block of query rows can see: up to its last row's
+    own position when causal, from its first row's window start (rounded down to BLOCK_N)."""
+    if CAUSAL:
+        last = tl.minimum(pre + (mblk * BLOCK_M + BLOCK_M - 1) // GROUP + 1, kv_len)
+    else:
+        last = kv_len
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(pre + (mblk * BLOCK_M) // GROUP - WINDOW + 1, 0)
+        first = (first // BLOCK_N) * BLOCK_N
+    return first, last
+
+
+@triton.jit
+def _tree_visible(tree, stride_tree, qrow, row_ok, kpos, k_ok, pre):
+    """[rows, keys] mask of a draft tree: every key before the block (the committed context) is
+    visible; a key of the block is visible when bit j (its block index) of the query row's mask
+    words is set (the row itself and its ancestors)."""
+    j = tl.where(kpos >= pre, kpos - pre, 0)                      # new-token index of a key
+    new = (kpos >= pre) & k_ok
+    word = tl.load(tree + qrow[:, None] * stride_tree + (j // 32)[None, :],
+                   mask=row_ok[:, None] & new[None, :], other=0)
+    seen = ((word >> (j % 32).to(tl.int64)[None, :]) & 1) != 0
+    return ~new[None, :] | seen
+
+
+@triton.jit
 def paged_block_attention(
     q, k, v, out, cu_q, prefix, tables, tree,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb, stride_tree,
@@ -46,14 +75,7 @@ def paged_block_attention(
         qb = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
         qpos = pre + tok                                         # absolute query positions
         kv_len = pre + q_len
-        if CAUSAL:
-            last = tl.minimum(pre + (mblk * BLOCK_M + BLOCK_M - 1) // GROUP + 1, kv_len)
-        else:
-            last = kv_len
-        first = 0
-        if WINDOW > 0:
-            first = tl.maximum(pre + (mblk * BLOCK_M) // GROUP - WINDOW + 1, 0)
-            first = (first // BLOCK_N) * BLOCK_N
+        first, last = _key_range(pre, kv_len, mblk, GROUP, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -71,12 +93,7 @@ def paged_block_attention(
             if WINDOW > 0:
                 ok = ok & (kpos[None, :] > qpos[:, None] - WINDOW)
             if TREE:
-                j = tl.where(kpos >= pre, kpos - pre, 0)              # new-token index of a key
-                new = (kpos >= pre) & k_ok
-                word = tl.load(tree + (q_lo + tok)[:, None] * stride_tree + (j // 32)[None, :],
-                               mask=row_ok[:, None] & new[None, :], other=0)
-                seen = ((word >> (j % 32).to(tl.int64)[None, :]) & 1) != 0
-                ok = ok & (~new[None, :] | seen)
+                ok = ok & _tree_visible(tree, stride_tree, q_lo + tok, row_ok, kpos, k_ok, pre)
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -50,7 +50,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from runtime import bench_switches
 from runtime.config import ModelConfig, read_config_json
 from runtime.layers.linear import Linear, linear
 from runtime.layers.norm import RMSNorm
@@ -292,11 +291,11 @@ class TargetHead:
         self.lm_head_weight = lm_head
 
     @staticmethod
-    def load(target_dir: str | Path, dtype: torch.dtype, device: torch.device | str
-             ) -> TargetHead:
+    def load(target_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
+             random_weights: bool = False) -> TargetHead:
         raw = read_config_json(target_dir)
         tied = bool(raw.get("tie_word_embeddings", False))
-        if bench_switches.random_weights():
+        if random_weights:
             shape = (int(raw["vocab_size"]), int(raw["hidden_size"]))
             embed = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02)
             return TargetHead(embed, embed if tied else torch.empty_like(embed).normal_(0.0, 0.02))
@@ -358,9 +357,10 @@ def check_fc_shape(cfg: DFlashConfig, shapes: dict[str, tuple[int, ...]], path: 
 
 
 def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> DFlashDraftModel:
+                device: torch.device | str = "cpu", random_weights: bool = False
+                ) -> DFlashDraftModel:
     cfg = DFlashConfig.from_dir(path)
-    if bench_switches.random_weights():
+    if random_weights:
         from runtime.models.registry import init_random_weights
         return init_random_weights(build_empty(DFlashDraftModel, cfg, device, dtype))
     check_fc_shape(cfg, checkpoint_shapes(path), path)

@@ -6,7 +6,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime import bench_switches
 from runtime.config import ModelConfig, read_config_json
 from runtime.weights import load_weights
 
@@ -35,11 +34,12 @@ def model_class(raw: dict) -> tuple[type[nn.Module], object]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> nn.Module:
+               device: torch.device | str = "cpu", random_weights: bool = False) -> nn.Module:
+    """random_weights (benchmarks: ServiceHooks): initialised at random instead of loaded."""
     raw = read_config_json(path)
     cls, cfg = model_class(raw)
     model = build_empty(cls, cfg, device, dtype)
-    if bench_switches.random_weights():
+    if random_weights:
         return init_random_weights(model)
     check = getattr(model, "check_checkpoint", None)   # hybrid: layer pattern vs weights
     if check is not None:

@@ -33,4 +33,3 @@ def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget:
               help="run every forward eagerly (graphs are captured during warm-up on CUDA with "
                    "the triton backend only)")
     tls.add_server_flags(p)
-    flags.add(p, "--warmup-delay", 0.0, float, "testing: extra seconds of warm-up")

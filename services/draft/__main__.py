@@ -6,34 +6,22 @@ warms up with a real append + propose, and only then reports SERVING."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import time
 
 import torch
 
-from runtime import threads
 from runtime.config import default_model_id
-from services.common import flags, metrics, tls
-from services.common.guard import Drain
-from services.common.logs import setup_logging
-from services.common.metrics_server import start_metrics
-from services.common.server import (
-    MiB,
-    Readiness,
-    build_server,
-    install_stop_signals,
-    serve_until_stopped,
-)
+from services.common import bootstrap, flags, tls
+from services.common.hooks import ServiceHooks
 from services.common.service_flags import add_model_service_flags
 from services.draft import servicer as draft_servicer
 from services.draft.config import DraftConfig
-from services.draft.drafter import DRAFTERS, Drafter, DrafterRefused, make_drafter
+from services.draft.drafter import DRAFTERS, Drafter, make_drafter
 from services.draft.engine import DraftEngine, ProposeCall
 
 log = logging.getLogger("dflash.draft")
 
-EXIT_REFUSED = 2
 WARMUP_ID = "__warmup__"
 
 
@@ -75,10 +63,9 @@ def config_from_args(args: argparse.Namespace) -> DraftConfig:
         device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
         kv_budget_bytes=args.kv_budget, page_size=args.page_size,
         max_block_size=args.max_block_size, max_tree_nodes=args.max_tree_nodes,
-        block_size=args.block_size,
-        max_ngram=args.max_ngram, min_ngram=args.min_ngram, token_budget=args.token_budget,
-        lease_seconds=args.lease_seconds, feature_dtype=args.feature_dtype,
-        model_id=args.model_id, warmup_delay_s=args.warmup_delay,
+        block_size=args.block_size, max_ngram=args.max_ngram, min_ngram=args.min_ngram,
+        token_budget=args.token_budget, lease_seconds=args.lease_seconds,
+        feature_dtype=args.feature_dtype, model_id=args.model_id,
         cuda_graphs=not args.no_cuda_graphs, cpu_gemm=args.cpu_gemm)
 
 
@@ -90,7 +77,7 @@ def metrics_name(config: DraftConfig) -> str:
     return f"{config.drafter}:{default_model_id(config.target_dir)}"
 
 
-async def warmup(engine: DraftEngine, drafter: Drafter, config: DraftConfig) -> None:
+async def warmup(engine: DraftEngine, drafter: Drafter) -> None:
     """A real append of a few context rows and a propose of the largest block, then release."""
     t0 = time.monotonic()
     f = drafter.facts
@@ -99,81 +86,49 @@ async def warmup(engine: DraftEngine, drafter: Drafter, config: DraftConfig) -> 
                 if f.needs_features else None)
     await engine.propose(ProposeCall(WARMUP_ID, 0, n, features, [0] * n, 0, f.max_block_size))
     await engine.release(WARMUP_ID)
-    if config.warmup_delay_s:
-        await asyncio.sleep(config.warmup_delay_s)
     log.info("warm-up done", extra={"seconds": round(time.monotonic() - t0, 2)})
 
 
-async def start_engine(servicer: draft_servicer.DraftServicer, config: DraftConfig) -> DraftEngine:
-    servicer.stage = "loading the drafter"
-    drafter = await asyncio.to_thread(threads.serially, make_drafter, config)
-    servicer.stage = "building the KV cache and attention backend"
-    await asyncio.to_thread(threads.serially, drafter.init_backend)
-    servicer.stage = "capturing CUDA graphs"
-    await asyncio.to_thread(threads.serially, drafter.capture_cuda_graphs)     # before SERVING: readiness waits
-    engine = DraftEngine(drafter, config)
-    engine.start()
-    servicer.stage = "warming up"
-    try:
-        await warmup(engine, drafter, config)
-    except BaseException:
-        engine.stop()
-        raise
-    return engine
-
-
-async def serve(args: argparse.Namespace, config: DraftConfig) -> int:
-    metrics.init(metrics_name(config), "draft")
-    readiness = Readiness(draft_servicer.SERVICE_NAME)
-    await readiness.start()
+def service(args: argparse.Namespace, hooks: ServiceHooks) -> bootstrap.ModelService:
+    config = config_from_args(args)
     servicer = draft_servicer.DraftServicer(config.lease_seconds)
-    # draining: no new sequences (a Propose from position 0); the others go on until released
-    drain = Drain(args.drain_grace, idle=lambda: not _live_sequences(servicer),
-                  refuse=_starts_sequence)
-    server = build_server(args.port, args.host, args.max_message_mib * MiB, readiness,
-                          lambda s: draft_servicer.add_to_server(servicer, s),
-                          tls=tls.server_from_args(args), drain=drain)
-    await server.start()
-    log.info("listening (NOT_SERVING until ready)", extra={"port": args.port})
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    start_metrics(args.metrics_port)
-    try:
-        engine = await start_engine(servicer, config)
-    except DrafterRefused as e:
-        log.error("refusing to serve: %s", e)
-        await server.stop(0)
-        return EXIT_REFUSED
-    servicer.engine, servicer.stage = engine, "ready"
-    await readiness.set(True)
-    log.info("serving", extra={"drafter": engine.drafter.facts.kind,
-                               "model": engine.drafter.facts.model_id})
-    try:
-        await serve_until_stopped(server, readiness, stop, drain)
-    finally:
-        engine.stop()
-    return 0
 
+    async def start() -> DraftEngine:
+        """Drafter (refused when incompatible: DrafterRefused), its KV cache and backend, CUDA
+        graphs, engine, warm-up; the servicer names the stage until the engine is attached."""
+        servicer.stage = "loading the drafter"
+        drafter = await bootstrap.stage(make_drafter, config, hooks.random_weights)
+        servicer.stage = "building the KV cache and attention backend"
+        await bootstrap.stage(drafter.init_backend)
+        servicer.stage = "capturing CUDA graphs"
+        await bootstrap.stage(drafter.capture_cuda_graphs)   # before SERVING: readiness waits
+        engine = DraftEngine(drafter, config)
+        engine.start()
+        servicer.stage = "warming up"
+        try:
+            await warmup(engine, drafter)
+        except BaseException:
+            engine.stop()
+            raise
+        servicer.engine, servicer.stage = engine, "ready"
+        log.info("serving", extra={"drafter": drafter.facts.kind, "model": drafter.facts.model_id})
+        return engine
 
-def _live_sequences(servicer: draft_servicer.DraftServicer) -> int:
-    engine = servicer.engine
-    return len(engine.seqs) if engine is not None else 0
+    return bootstrap.ModelService(
+        role="draft", service_name=draft_servicer.SERVICE_NAME,
+        metrics_model=metrics_name(config), servicer=servicer,
+        register=lambda server: draft_servicer.add_to_server(servicer, server),
+        refuse_while_draining=_starts_sequence, start=start)
 
 
 def _starts_sequence(method: str, request) -> bool:
+    """Draining: no new sequences (a Propose from position 0); the others go on until released."""
     return method == "Propose" and len(request.positions) > 0 and request.positions[0] == 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    threads.serial()            # only the engine thread computes in parallel (runtime/threads.py)
-    args = parse_args(argv)
-    setup_logging(args.log_level, "draft")
-    try:
-        config = config_from_args(args)
-    except ValueError as e:
-        log.error("bad configuration: %s", e)
-        return EXIT_REFUSED
-    return asyncio.run(serve(args, config))
+def main(argv: list[str] | None = None, hooks: ServiceHooks = ServiceHooks()) -> int:
+    """hooks: tests and benchmarks only (dflash/harness.py); a deployment never sets them."""
+    return bootstrap.run("draft", argv, parse_args, lambda args: service(args, hooks), hooks)
 
 
 if __name__ == "__main__":

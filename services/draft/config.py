@@ -29,7 +29,6 @@ class DraftConfig:
     lease_seconds: float = 120.0
     feature_dtype: str = "bfloat16"    # the dtype Propose features must arrive in
     model_id: str = ""
-    warmup_delay_s: float = 0.0        # tests: make warm-up observably slow
     cuda_graphs: bool = True           # capture the propose forward during warm-up (CUDA + triton)
     cpu_gemm: str = DEFAULT_CPU_GEMM   # fp32 CPU GEMM (runtime/layers/linear.py): auto | onednn | torch
 

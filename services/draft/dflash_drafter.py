@@ -75,7 +75,7 @@ def compatibility_problems(cfg: DFlashConfig, fc_shape: tuple[int, ...] | None,
 
 
 class DFlashDrafter(Drafter):
-    def __init__(self, config: DraftConfig) -> None:
+    def __init__(self, config: DraftConfig, random_weights: bool = False) -> None:
         self.config = config
         self.device = torch.device(config.device)
         dtype = config.resolved_dtype()
@@ -90,10 +90,10 @@ class DFlashDrafter(Drafter):
             raise DrafterRefused(f"drafter {config.model_dir} cannot serve target "
                                  f"{config.target_dir}:\n  - " + "\n  - ".join(problems))
         try:
-            self.model = load_dflash(config.model_dir, self.dtype, self.device)
+            self.model = load_dflash(config.model_dir, self.dtype, self.device, random_weights)
         except ValueError as e:
             raise DrafterRefused(str(e)) from None
-        self.head = TargetHead.load(config.target_dir, self.dtype, self.device)
+        self.head = TargetHead.load(config.target_dir, self.dtype, self.device, random_weights)
         self.facts = DrafterFacts(
             kind="dflash", model_id=config.model_id or default_model_id(config.model_dir),
             block_size=cfg.block_size, max_block_size=config.max_block_size or cfg.block_size,

@@ -14,6 +14,7 @@ import torch
 from runtime.draft_tree import DraftTree
 from runtime.layers.linear import set_cpu_gemm
 from runtime.models.dflash import TargetFingerprint
+from services.common.bootstrap import StartRefused
 from services.draft.config import DraftConfig
 from services.draft.sequence import DraftSequence
 
@@ -24,7 +25,7 @@ DRAFTERS: dict[str, str] = {
 }
 
 
-class DrafterRefused(Exception):
+class DrafterRefused(StartRefused):
     """The drafter cannot serve this target (or its checkpoint is unusable): start-up stops."""
 
 
@@ -101,6 +102,7 @@ def drafter_class(name: str) -> type[Drafter]:
     return getattr(importlib.import_module(module), cls)
 
 
-def make_drafter(config: DraftConfig) -> Drafter:
+def make_drafter(config: DraftConfig, random_weights: bool = False) -> Drafter:
+    """random_weights (benchmarks: ServiceHooks): a weighted drafter's weights at random."""
     set_cpu_gemm(config.cpu_gemm)
-    return drafter_class(config.drafter)(config)
+    return drafter_class(config.drafter)(config, random_weights)

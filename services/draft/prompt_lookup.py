@@ -29,8 +29,8 @@ def propose_ngram(tokens: list[int], k: int, max_ngram: int, min_ngram: int = 1)
 
 
 class PromptLookupDrafter(Drafter):
-    def __init__(self, config: DraftConfig) -> None:
-        self.config = config
+    def __init__(self, config: DraftConfig, random_weights: bool = False) -> None:
+        self.config = config            # random_weights: no weights, nothing to do
         target = TargetFingerprint.of_target(config.target_dir)
         self.facts = DrafterFacts(
             kind="prompt-lookup",

@@ -1,4 +1,5 @@
-"""Target service configuration (one frozen dataclass; flags and DFLASH_* env fill it)."""
+"""Target service configuration (one frozen dataclass; flags and DFLASH_* env fill it). What
+only tests and benchmarks change is not here: services/target/hooks.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,19 +21,15 @@ class TargetConfig:
                                        # at most token_budget - 1: one engine iteration)
     token_budget: int = 512            # tokens per engine iteration (chunked prefill)
     lease_seconds: float = 120.0
-    hybrid_wrapper: bool = False       # wrap the backend in HybridAttnBackend even for dense models
     state_slots: int = 64              # hybrid models: sequences the state pool holds
     model_id: str = ""
     warmup: bool = True
-    warmup_delay_s: float = 0.0        # tests: make warm-up observably slow
     cuda_graphs: bool = True           # capture verify forwards during warm-up (CUDA + triton)
     graph_block_sizes: tuple[int, ...] = (1, 16)
     graph_tree_sizes: tuple[int, ...] = (16, 64)   # tree verifies (anchor + drafts) captured as graphs
     graph_capture_layers: tuple[int, ...] = ()   # feature layers the graphs return (the drafter's)
-    mamba_commit: bool = True          # tests of the hybrid path: False builds a backend that cannot commit
     # hybrid: sequences that can verify blocks of 2+ tokens (-1 = state_slots); see runtime/state_pool.py
     verify_state_slots: int = -1
-    unsafe_skip_mamba_commit: bool = False   # TESTING ONLY: advertise the commit, skip it (wrong)
     cpu_gemm: str = DEFAULT_CPU_GEMM   # fp32 CPU GEMM (runtime/layers/linear.py): auto | onednn | torch
 
     def __post_init__(self) -> None:

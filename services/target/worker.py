@@ -28,6 +28,7 @@ from runtime.models.registry import load_model
 from runtime.tokenizer import tokenizer_fingerprint
 from services.common.errors import NotReady
 from services.target.config import TargetConfig
+from services.target.hooks import TargetHooks
 
 log = logging.getLogger("dflash.target.worker")
 
@@ -50,13 +51,13 @@ class ModelFacts:
 
 
 class TargetWorker:
-    def __init__(self, config: TargetConfig) -> None:
-        self.config = config
+    def __init__(self, config: TargetConfig, hooks: TargetHooks = TargetHooks()) -> None:
+        self.config, self.hooks = config, hooks
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
         set_cpu_gemm(config.cpu_gemm)
         t0 = time.monotonic()
-        self.model = load_model(config.model_dir, self.dtype, self.device)
+        self.model = load_model(config.model_dir, self.dtype, self.device, hooks.random_weights)
         cfg = self.model.cfg
         self.facts = ModelFacts(
             model_id=config.model_id or default_model_id(config.model_dir),
@@ -100,11 +101,11 @@ class TargetWorker:
 
     # -- start-up stages -----------------------------------------------------------------
     @classmethod
-    def started(cls, config: TargetConfig) -> TargetWorker:
+    def started(cls, config: TargetConfig, hooks: TargetHooks = TargetHooks()) -> TargetWorker:
         """A worker taken through every start-up stage in order (weights, pools, backends,
         ready) on this thread: for benchmarks and in-process tools. The service runs the same
         stages one at a time and reports its health between them."""
-        worker = cls(config)
+        worker = cls(config, hooks)
         worker.alloc_memory_pools()
         worker.init_attention_backends()
         worker.mark_ready()
@@ -147,9 +148,9 @@ class TargetWorker:
         backend: AttentionBackend = cls(self.kv_cache, cfg.num_heads, cfg.num_kv_heads,
                                         cfg.head_dim, cfg.head_dim ** -0.5)
         if self.facts.hybrid:
-            mamba = self.model.make_state_backend(self.state_pool, self.config.mamba_commit)
+            mamba = self.model.make_state_backend(self.state_pool, self.hooks.mamba_commit)
             backend = HybridAttnBackend(backend, mamba)
-        elif self.config.hybrid_wrapper:
+        elif self.hooks.hybrid_wrapper:
             backend = HybridAttnBackend(backend)
         self._attn_backend = backend
         # trees of drafts: the backend itself where it reads tree masks, else the reference
@@ -162,8 +163,8 @@ class TargetWorker:
         # exists (can it commit?) - a delegating wrapper alone never makes this True.
         self._need_mamba_verify_commit = self.facts.hybrid and can_commit_mamba_state(backend)
         self.stage = "backends"
-        if self.config.unsafe_skip_mamba_commit:
-            log.warning("UNSAFE testing flag: the mamba verify commit is advertised but skipped; "
+        if self.hooks.skip_mamba_commit:
+            log.warning("UNSAFE testing hook: the mamba verify commit is advertised but skipped; "
                         "outputs of this hybrid target are wrong")
         log.info("attention backends built", extra={
             "backend": backend.name, "need_mamba_verify_commit": self._need_mamba_verify_commit})
@@ -254,7 +255,7 @@ class TargetWorker:
     def commit_mamba_state(self, commits: list[tuple[int, int]]) -> None:
         """(state slot, last committed block index) per verified sequence, right after acceptance
         is decided for a verify batch (hybrid models)."""
-        if self.need_mamba_verify_commit and not self.config.unsafe_skip_mamba_commit:
+        if self.need_mamba_verify_commit and not self.hooks.skip_mamba_commit:
             self.attn_backend.update_mamba_state_after_mtp_verify(commits)
 
     @property

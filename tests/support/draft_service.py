@@ -5,16 +5,18 @@ from pathlib import Path
 
 import torch
 
+from dflash.harness import HookFlags
 from dflash.v1 import draft_pb2
 from services.common import tensor_codec
-from support.procs import ServiceProcess, free_port
+from support.procs import ServiceProcess, free_port, service_command
 
 SERVICE = "dflash.v1.Draft"
 
 
 def start_draft(target_dir: str | Path | None, log_dir: Path, *extra: str,
                 model_dir: str | Path | None = None, wait: bool = True,
-                env: dict[str, str] | None = None) -> ServiceProcess:
+                env: dict[str, str] | None = None, hooks: HookFlags = HookFlags()
+                ) -> ServiceProcess:
     """target_dir / model_dir None: not passed as flags (e.g. given through DFLASH_* env)."""
     port = free_port()
     args = ["--port", str(port), "--host", "127.0.0.1", *extra]
@@ -22,7 +24,8 @@ def start_draft(target_dir: str | Path | None, log_dir: Path, *extra: str,
         args = ["--target-model", str(target_dir), *args]
     if model_dir is not None:
         args = ["--model", str(model_dir), *args]
-    p = ServiceProcess("services.draft", args, SERVICE, port, log_dir, env).start()
+    module, args = service_command("draft", args, hooks)
+    p = ServiceProcess(module, args, SERVICE, port, log_dir, env).start()
     return p.wait_serving() if wait else p
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
+from dflash.prepare.tiny_hybrid import make_tiny_hybrid
 from runtime.attention.metadata import SeqSlice
 from runtime.kv_cache import PageTable
-from runtime.prepare.tiny_hybrid import make_tiny_hybrid
 from services.target.worker import TargetWorker
 
 __all__ = ["HybridSeq", "forward_many", "hf_greedy", "hf_logits", "hf_model", "make_tiny_hybrid"]

@@ -14,14 +14,16 @@ from runtime.kv_cache import PageTable
 from runtime.sampling import SamplingConfig
 from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
+from services.target.hooks import TargetHooks
 from services.target.worker import TargetWorker
 
 
-def loaded_worker(model_dir: str | Path, **config: Any) -> TargetWorker:
+def loaded_worker(model_dir: str | Path, hooks: TargetHooks = TargetHooks(),
+                  **config: Any) -> TargetWorker:
     """A worker past start-up stages 1-3 (weights, pools, backends). Small pages by default, so
     short sequences already span several pages."""
     config = {"page_size": 4, "kv_budget_bytes": 8 << 20, **config}
-    worker = TargetWorker(TargetConfig(model_dir=str(model_dir), **config))
+    worker = TargetWorker(TargetConfig(model_dir=str(model_dir), **config), hooks)
     worker.alloc_memory_pools()
     worker.init_attention_backends()
     return worker

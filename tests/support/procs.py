@@ -12,6 +12,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dflash.harness import HookFlags
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -80,10 +82,18 @@ class ServiceProcess:
             self.proc.wait(5)
 
 
+def service_command(role: str, args: list[str], hooks: HookFlags) -> tuple[str, list[str]]:
+    """(module, args) of `python -m`: the service itself, or dflash.harness when hooks are set."""
+    if hooks == HookFlags():
+        return f"services.{role}", args
+    return "dflash.harness", [role, *hooks.argv(), "--", *args]
+
+
 def start_target(model_dir: str | Path, log_dir: Path, *extra: str, wait: bool = True,
-                 env: dict[str, str] | None = None) -> ServiceProcess:
+                 env: dict[str, str] | None = None, hooks: HookFlags = HookFlags()
+                 ) -> ServiceProcess:
     port = free_port()
-    p = ServiceProcess("services.target", ["--model", str(model_dir), "--port", str(port),
-                                           "--host", "127.0.0.1", *extra],
-                       "dflash.v1.Target", port, log_dir, env).start()
+    module, args = service_command("target", ["--model", str(model_dir), "--port", str(port),
+                                              "--host", "127.0.0.1", *extra], hooks)
+    p = ServiceProcess(module, args, "dflash.v1.Target", port, log_dir, env).start()
     return p.wait_serving() if wait else p

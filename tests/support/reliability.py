@@ -34,7 +34,7 @@ _models: dict[str, Path] = {}
 def tiny_hybrid(tmp_path_factory, smollm2_dir: Path) -> Path:
     """One per test session (made on first use)."""
     if "hybrid" not in _models:
-        from runtime.prepare.tiny_hybrid import make_tiny_hybrid
+        from dflash.prepare.tiny_hybrid import make_tiny_hybrid
         _models["hybrid"] = make_tiny_hybrid(tmp_path_factory.mktemp("tiny_hybrid_smol"),
                                              vocab_from=smollm2_dir, active_vocab=ACTIVE_VOCAB)
     return _models["hybrid"]

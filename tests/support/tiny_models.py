@@ -21,8 +21,14 @@ def wrong(token: int) -> int:
 
 def make_tiny(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
     """family: llama | qwen2 | qwen3. Saved in fp32 with transformers' save_pretrained."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     cfg_cls, model_cls = classes[family]

@@ -1,0 +1,109 @@
+"""A target or draft service started with test or benchmark hooks (services/common/hooks.py):
+
+    python -m dflash.harness target [HOOKS] -- SERVICE FLAGS     (as python -m services.target)
+    python -m dflash.harness draft  [HOOKS] -- SERVICE FLAGS     (as python -m services.draft)
+
+HOOKS: --warmup-delay S, --random-weights (both); target only: --force-tau T, --hybrid-wrapper,
+--no-mamba-commit, --skip-mamba-commit. The services themselves read no such flag or
+environment variable: a deployment cannot switch them on. Every hook in use is logged loudly."""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from dataclasses import asdict, dataclass, fields
+
+from services.common.hooks import ServiceHooks
+from services.target.hooks import TargetHooks
+
+
+class ForcedAcceptance:
+    """Benchmarks: accepted drafts per chain verify, floor(tau-1) or one more, so that the mean
+    committed tokens per step is tau (clamped to the drafts there are). The output is NOT the
+    target's: speed measurements only."""
+
+    def __init__(self, tau: float, seed: int = 0) -> None:
+        if tau < 1.0:
+            raise ValueError(f"a forced tau must be >= 1 (committed tokens per step), got {tau}")
+        self.tau = tau
+        self.mean = tau - 1.0
+        self.rng = random.Random(seed)
+
+    def accepted(self, num_drafts: int) -> int:
+        base = int(self.mean)
+        a = base + (1 if self.rng.random() < self.mean - base else 0)
+        return min(a, num_drafts)
+
+
+@dataclass(frozen=True)
+class HookFlags:
+    """The hooks as command-line flags (what a Stack or a test passes to this module)."""
+    warmup_delay_s: float = 0.0
+    random_weights: bool = False
+    force_tau: float = 0.0              # 0 = the target's own acceptance
+    hybrid_wrapper: bool = False
+    no_mamba_commit: bool = False
+    skip_mamba_commit: bool = False
+
+    def argv(self) -> list[str]:
+        """The flags that differ from the defaults, for `python -m dflash.harness ROLE`."""
+        out: list[str] = []
+        for f in fields(self):
+            value, flag = getattr(self, f.name), "--" + f.name.removesuffix("_s").replace("_", "-")
+            if value != f.default:
+                out += [flag] if value is True else [flag, str(value)]
+        return out
+
+    def target_hooks(self) -> TargetHooks:
+        return TargetHooks(
+            warmup_delay_s=self.warmup_delay_s, random_weights=self.random_weights,
+            hybrid_wrapper=self.hybrid_wrapper, mamba_commit=not self.no_mamba_commit,
+            skip_mamba_commit=self.skip_mamba_commit,
+            forced_acceptance=ForcedAcceptance(self.force_tau) if self.force_tau else None)
+
+    def draft_hooks(self) -> ServiceHooks:
+        target_only = ("force_tau", "hybrid_wrapper", "no_mamba_commit", "skip_mamba_commit")
+        used = [k for k in target_only if getattr(self, k) != getattr(HookFlags(), k)]
+        if used:
+            raise ValueError(f"target-only hooks given to a draft: {sorted(used)}")
+        return ServiceHooks(warmup_delay_s=self.warmup_delay_s, random_weights=self.random_weights)
+
+
+def parse(argv: list[str]) -> tuple[str, HookFlags, list[str]]:
+    """(role, hooks, the service's own argv)."""
+    if "--" in argv:
+        cut = argv.index("--")
+        mine, service_argv = argv[:cut], argv[cut + 1:]
+    else:
+        mine, service_argv = argv, []
+    p = argparse.ArgumentParser(prog="python -m dflash.harness", description=__doc__.splitlines()[0])
+    p.add_argument("role", choices=("target", "draft"))
+    p.add_argument("--warmup-delay", type=float, default=0.0, help="extra seconds of warm-up")
+    p.add_argument("--random-weights", action="store_true", help="random weights, not loaded")
+    p.add_argument("--force-tau", type=float, default=0.0,
+                   help="target: accept drafts so that the mean committed tokens per step is T")
+    p.add_argument("--hybrid-wrapper", action="store_true",
+                   help="target: wrap a dense model's backend in the hybrid wrapper")
+    p.add_argument("--no-mamba-commit", action="store_true",
+                   help="target: a hybrid backend that cannot commit recurrent state")
+    p.add_argument("--skip-mamba-commit", action="store_true",
+                   help="target: advertise the mamba commit and skip it (WRONG output)")
+    a = p.parse_args(mine)
+    flags = HookFlags(a.warmup_delay, a.random_weights, a.force_tau, a.hybrid_wrapper,
+                      a.no_mamba_commit, a.skip_mamba_commit)
+    return a.role, flags, service_argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    role, flags, service_argv = parse(sys.argv[1:] if argv is None else argv)
+    print(f"WARNING dflash.harness: TEST/BENCHMARK HOOKS on this {role}: "
+          f"{ {k: v for k, v in asdict(flags).items() if v} }", file=sys.stderr, flush=True)
+    if role == "target":
+        from services.target.__main__ import main as target_main
+        return target_main(service_argv, flags.target_hooks())
+    from services.draft.__main__ import main as draft_main
+    return draft_main(service_argv, flags.draft_hooks())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""The target's test and benchmark hooks (services/common/hooks.py says who may set them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.common.hooks import ServiceHooks
+
+
+class AcceptanceOverride(Protocol):
+    def accepted(self, num_drafts: int) -> int:
+        """How many of a chain's num_drafts drafts to accept instead of the target's choice."""
+
+
+@dataclass(frozen=True)
+class TargetHooks(ServiceHooks):
+    hybrid_wrapper: bool = False       # wrap a dense model's backend in HybridAttnBackend: the
+                                       # delegating wrapper of the seed bug must not claim a commit
+    mamba_commit: bool = True          # False: a hybrid backend that cannot commit recurrent state
+    skip_mamba_commit: bool = False    # advertise the mamba commit and skip it: WRONG output, for
+                                       # the tests that prove the commit matters
+    forced_acceptance: AcceptanceOverride | None = None   # benchmarks: accepted drafts per chain
+                                       # verify (the output is NOT the target's; speed only)

@@ -1,0 +1,182 @@
+"""`dflash up` and `dflash demo`: the local stack as child processes, endpoints printed, a chat
+through the openai client, and nothing left running after SIGTERM - or after the launcher is
+killed outright."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+from support.gateway_stack import wait_until
+from support.procs import REPO, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def processes_with(marker: str) -> list[int]:
+    """pids whose command line contains marker (a port only this test uses)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if marker in cmd:
+                pids.append(int(entry.name))
+    return pids
+
+
+def launch(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, dict[str, int], Path]:
+    ports = {k: free_port() for k in ("http", "port", "target", "draft")}
+    log = tmp_path / "up.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash.cli", "up", "--http-port", str(ports["http"]),
+         "--port", str(ports["port"]), "--target-port", str(ports["target"]),
+         "--draft-port", str(ports["draft"]), "--log-dir", str(tmp_path / "logs"), *extra],
+        cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, ports, log
+
+
+def wait_up(proc: subprocess.Popen, log: Path) -> str:
+    def up():
+        assert proc.poll() is None, log.read_text()
+        return "dflash stack is up" in log.read_text()
+    wait_until(up, timeout=240, interval=0.5, what="dflash up")
+    return log.read_text()
+
+
+def test_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    proc, ports, log = launch(tmp_path)
+    marker = f"--port {ports['target']}"
+    try:
+        out = wait_up(proc, log)
+        assert f"http://127.0.0.1:{ports['http']}/v1" in out and f"127.0.0.1:{ports['port']}" in out
+        assert len(processes_with(marker)) == 1            # the target child
+        client = OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="x",
+                        max_retries=0)
+        r = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0,
+                                           messages=[{"role": "user", "content": "Say hi."}],
+                                           max_tokens=8)
+        assert r.choices[0].message.content and r.usage.completion_tokens >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        for port in ports.values():
+            assert processes_with(f"--port {port}") == [] and processes_with(f"-port {port} ") == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_killed_launcher_leaves_no_orphans(tmp_path):
+    proc, ports, log = launch(tmp_path, "--drafter", "none")
+    try:
+        wait_up(proc, log)
+        assert processes_with(f"--port {ports['target']}")
+        proc.kill()                                          # no chance to clean up itself
+        proc.wait(10)
+        wait_until(lambda: not processes_with(f"--port {ports['target']}")
+                   and not processes_with(f"--http-port {ports['http']}"),
+                   timeout=30, what="children gone after the launcher died")
+    finally:
+        for pid in processes_with(f"--port {ports['target']}"):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_demo_prints_answer_speed_and_acceptance(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "dflash.cli", "demo", "--max-tokens", "48",
+                           "--log-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "assistant>" in done.stdout and "tokens/s" in done.stdout
+    assert "mean acceptance length" in done.stdout
+    http_port = re.search(r"OpenAI API +http://127.0.0.1:(\d+)/v1", done.stdout).group(1)
+    time.sleep(0.5)
+    assert not processes_with(f"--http-port {http_port}")   # its children are gone too
+
+
+def test_target_graphs_capture_the_drafter_layers(tmp_path):
+    """With a DFlash drafter the target's CUDA graphs are captured with the drafter's target
+    layers (a verify that asks for features would otherwise run eagerly); device, backend and
+    extra flags reach the children."""
+    from dflash.prepare.smollm2 import prepare_smollm2
+    from dflash.stack import SHIPPED_DRAFTER, Stack, StackOptions
+    from runtime.models.dflash import DFlashConfig
+    model = prepare_smollm2(["float32"], progress=False)["float32"]
+    taps = DFlashConfig.from_dir(SHIPPED_DRAFTER).target_layer_ids
+    stack = Stack(StackOptions(model_dir=str(model), log_dir=str(tmp_path), device="cuda",
+                               attention_backend="triton", draft_args=("--kv-budget", "1GiB")))
+    argv = {c.name: c.argv for c in stack.plan()}
+    target = argv["target"]
+    assert target[target.index("--graph-capture-layers") + 1] == ",".join(map(str, taps))
+    for name in ("target", "draft"):
+        assert argv[name][argv[name].index("--device") + 1] == "cuda"
+        assert argv[name][argv[name].index("--attention-backend") + 1] == "triton"
+    assert argv["draft"][-2:] == ["--kv-budget", "1GiB"]
+    none = Stack(StackOptions(model_dir=str(model), log_dir=str(tmp_path), drafter="none"))
+    assert "--graph-capture-layers" not in {a for c in none.plan() for a in c.argv}
+
+
+def test_verify_block_defaults_to_the_cpu_block_for_dflash_on_the_cpu(tmp_path):
+    """--block-size 0: a DFlash stack on the CPU verifies CPU_DFLASH_BLOCK tokens, on a GPU the
+    drafter's trained block (gateway 0); an explicit --block-size always wins."""
+    from dflash.prepare.smollm2 import prepare_smollm2
+    from dflash.stack import CPU_DFLASH_BLOCK, Stack, StackOptions
+    model = str(prepare_smollm2(["float32"], progress=False)["float32"])
+
+    def gateway_block(**options) -> int:
+        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), **options))
+        argv = {c.name: c.argv for c in stack.plan()}["gateway"]
+        return int(argv[argv.index("--block-size") + 1])
+
+    assert gateway_block() == CPU_DFLASH_BLOCK == 4
+    assert gateway_block(block_size=16) == 16
+    assert gateway_block(device="cuda", attention_backend="triton") == 0
+    assert gateway_block(drafter="prompt-lookup") == 0
+    assert gateway_block(drafter="none") == 0
+
+
+def test_drafting_stops_above_a_batch_size_by_default_on_the_cpu(tmp_path):
+    """--spec-disable-batch-size -1: CPU_SPEC_DISABLE_BATCH for dflash on the CPU, else 0 (always
+    draft); an explicit value always wins."""
+    from dflash.prepare.smollm2 import prepare_smollm2
+    from dflash.stack import CPU_SPEC_DISABLE_BATCH, Stack, StackOptions
+    model = str(prepare_smollm2(["float32"], progress=False)["float32"])
+
+    def limit(**options) -> int:
+        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), **options))
+        argv = {c.name: c.argv for c in stack.plan()}["gateway"]
+        return int(argv[argv.index("--spec-disable-batch-size") + 1])
+
+    assert limit() == CPU_SPEC_DISABLE_BATCH > 0
+    assert limit(spec_disable_batch_size=0) == 0
+    assert limit(spec_disable_batch_size=8) == 8
+    assert limit(device="cuda", attention_backend="triton") == 0
+    assert limit(drafter="none") == 0
+
+
+def test_draft_dtype_defaults_to_auto_for_dflash_on_the_cpu(tmp_path):
+    """--draft-dtype "": CPU_DFLASH_DRAFT_DTYPE for dflash on the CPU, else the target's --dtype;
+    an explicit value always wins. The target keeps --dtype."""
+    from dflash.prepare.smollm2 import prepare_smollm2
+    from dflash.stack import CPU_DFLASH_DRAFT_DTYPE, Stack, StackOptions
+    model = str(prepare_smollm2(["float32"], progress=False)["float32"])
+
+    def dtypes(**options) -> tuple[str, str]:
+        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), **options))
+        argv = {c.name: c.argv for c in stack.plan()}
+        return tuple(argv[n][argv[n].index("--dtype") + 1] for n in ("target", "draft"))
+
+    assert dtypes() == ("float32", CPU_DFLASH_DRAFT_DTYPE) == ("float32", "auto")
+    assert dtypes(draft_dtype="float32") == ("float32", "float32")
+    assert dtypes(dtype="bfloat16", device="cuda", attention_backend="triton") == \
+        ("bfloat16", "bfloat16")
+    assert dtypes(drafter="prompt-lookup") == ("float32", "float32")
