@@ -151,7 +151,7 @@ class EngineBench:
             await self.engine.prefill(call)
         for k in range(repeats + 2):                      # two warm-up rounds
             for block in BLOCKS:
-                seq, stats = f"verify{block}", self.engine.stats.forward_seconds
+                seq, stats = f"verify{block}", self.engine.stats.seconds
                 t0 = time.perf_counter()
                 await self.engine.verify(seq, tokens(block, 2))
                 elapsed = time.perf_counter() - t0
@@ -160,7 +160,7 @@ class EngineBench:
                     self.on_engine_thread, partial(self.reference.forward, block))
                 if k >= 2:
                     samples[block][0].append(elapsed)
-                    samples[block][1].append(self.engine.stats.forward_seconds - stats)
+                    samples[block][1].append(self.engine.stats.seconds - stats)
                     if reference is not None:
                         samples[block][2].append(reference)
         for block in BLOCKS:
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.model:
         model_dir = Path(args.model)
     else:
-        from runtime.prepare.smollm2 import prepare_smollm2
+        from dflash.prepare.smollm2 import prepare_smollm2
         model_dir = prepare_smollm2(["float32"], progress=False)["float32"]
     result: dict = {"machine": machine(), "threads": args.threads,
                     "date": datetime.date.today().isoformat(), "repeats": args.repeats,

@@ -148,7 +148,7 @@ def test_kv_after_a_tree_equals_one_by_one(tiny_llama_02_dir):
         # the path g1, g2, g3 sits at rows 2, 4, 6, after decoys at rows 1, 3, 5 and 7
         tree = DraftTree([wrong(g[1]), g[1], wrong(g[2]), g[2], 9, g[3], wrong(g[4])],
                          [0, 0, 2, 2, 4, 4, 6])
-        v = run(engine.verify("tree", [g[0]] + tree.tokens, tree.parents))
+        v = run(engine.verify("tree", [g[0]] + tree.tokens, tree))
         assert (v.accepted, v.committed) == (3, g[1:5])
         for k in range(4):
             assert run(engine.verify("steps", [g[k]])).committed == [g[k + 1]]

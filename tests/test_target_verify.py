@@ -29,8 +29,9 @@ from support.tiny_models import TINY_VOCAB as VOCAB
 from support.tiny_models import wrong
 
 from dflash.v1 import common_pb2
+from runtime.acceptance import rejection_accept
 from runtime.kv_cache import PageTable
-from runtime.sampling import SamplingConfig, rejection_accept, target_probs
+from runtime.sampling import SamplingConfig, target_probs
 from services.common.engine_loop import Work
 from services.common.tensor_codec import decode
 from services.target.engine import PrefillCall, TargetEngine, VerifyCall

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from dflash.v1 import common_pb2
-from services.common.errors import DeadlineExceeded, ServiceError, answer
+from services.common.errors import DeadlineExceeded, ServiceError, answer, rpc
 
 log = logging.getLogger("dflash.rpc")
 
@@ -33,6 +33,22 @@ class Refused:
     @property
     def call_id(self) -> int:
         return self.message.call_id
+
+
+def unary_and_stream(method: str, path: str, response_type: type) -> tuple[Callable, Callable]:
+    """The servicer methods `<method>` (unary) and `<method>Stream` (multiplexed), both through
+    the servicer's one request -> response coroutine named `path`:
+
+        Verify, VerifyStream = unary_and_stream("Verify", "verify", VerifyStreamResponse)"""
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await getattr(self, path)(request)
+
+    async def stream(self: Any, requests: AsyncIterable, context: grpc.aio.ServicerContext) -> None:
+        await serve(requests, context, method, getattr(self, path), response_type)
+
+    unary.__name__, stream.__name__ = method, f"{method}Stream"
+    stream.__doc__ = f"{method} calls multiplexed on one stream (CallStatus in common.proto)."
+    return rpc(unary), stream
 
 
 async def serve(requests: AsyncIterable, context: grpc.aio.ServicerContext, method: str,

@@ -1,26 +1,21 @@
-"""The draft engine: sequence table, leases, and the batched step. Each iteration appends the new
-context of every Propose in it and drafts all their blocks in one forward (through the drafter).
-All sequence state is touched only on the engine thread; at most one work per sequence runs per
-iteration (a second one waits for the next), so Propose and Release of a sequence keep their order."""
+"""The draft engine: each iteration appends the new context of every Propose in it and drafts all
+their blocks in one forward (through the drafter). At most one work per sequence runs per
+iteration (a second one waits for the next), so Propose and Release of a sequence keep their
+order. The sequence table, leases and gauges: SequenceEngine."""
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from runtime import threads
 from runtime.kv_cache import OutOfPages
-from services.common import metrics
-from services.common.engine_loop import EngineLoop, Work
+from services.common.engine_loop import Work
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, ServiceError
-from services.common.leases import LeaseSweeper
+from services.common.sequence_engine import SequenceEngine
 from services.draft.config import DraftConfig
 from services.draft.drafter import Drafter, ProposeItem
 from services.draft.sequence import DraftSequence
-
-log = logging.getLogger("dflash.draft.engine")
 
 
 @dataclass(frozen=True)
@@ -43,35 +38,20 @@ class ProposeResult:
     draft_parents: list[int] = field(default_factory=list)   # a tree's; empty for a chain
 
 
-class DraftEngine:
+class DraftEngine(SequenceEngine[DraftSequence]):
     def __init__(self, drafter: Drafter, config: DraftConfig) -> None:
+        super().__init__(config.token_budget, config.lease_seconds, "draft-engine")
         self.drafter = drafter
         self.config = config
-        self.seqs: dict[str, DraftSequence] = {}
-        self.loop = EngineLoop(self._step, config.token_budget, name="draft-engine",
-                               on_idle=self._expire_leases, on_start=threads.parallel)
-        self.leases = LeaseSweeper(config.lease_seconds, self._release)
-        self.stats = EngineStats()
-
-    def start(self) -> None:
-        metrics.watch_queue(self.loop)          # running/waiting, read at scrape time
-        self.loop.start()
-
-    def stop(self) -> None:
-        self.loop.stop()
 
     # -- API used by the servicer (awaitable) ------------------------------------------------
     async def propose(self, call: ProposeCall) -> ProposeResult:
         return await self.loop.submit(Work("propose", call.seq_id, call,
                                            cost=call.num_new + call.block_size))
 
-    async def release(self, seq_id: str) -> bool:
-        return await self.loop.submit(Work("release", seq_id, None, cost=0, detached=True))
-
     # -- engine thread -------------------------------------------------------------------------
     def _step(self, batch: list[tuple[Work, int]]) -> None:
-        if self.leases.maybe_sweep(self.seqs):
-            self._update_gauges()
+        self._sweep_leases()
         seen: set[str] = set()
         admitted: list[tuple[Work, ProposeItem]] = []
         for work, _ in batch:
@@ -87,7 +67,7 @@ class DraftEngine:
                 work.fail(e)
         if admitted:
             self._run(admitted)
-        self._update_gauges()
+        self._publish()
 
     def _admit(self, call: ProposeCall) -> ProposeItem:
         """Checks that the call continues its sequence (or starts one at position 0), then
@@ -139,42 +119,12 @@ class DraftEngine:
             item.seq.touch()
             parents = [] if tree.is_chain else tree.parents
             work.resolve(ProposeResult(tree.tokens, item.context_len, parents))
-        seconds = time.perf_counter() - t0
         tokens = sum(i.num_new + i.block_size for i in items)
-        self.stats.record(len(items), tokens, seconds)
-        lb = metrics.labels()
-        metrics.FORWARD_SECONDS.labels(lb.model_name, lb.service).observe(seconds)
-        metrics.FORWARD_TOKENS.labels(lb.model_name, lb.service).inc(tokens)
+        self.stats.record_forward(len(items), tokens, time.perf_counter() - t0)
 
-    def _update_gauges(self) -> None:
-        lb = metrics.labels()
-        metrics.KV_USAGE.labels(lb.model_name, lb.service).set(self.drafter.kv_usage())
-        metrics.SEQUENCES.labels(lb.model_name, lb.service).set(len(self.seqs))
-
-    # -- lifecycle ---------------------------------------------------------------------------
-    def _release(self, seq_id: str) -> bool:
-        seq = self.seqs.pop(seq_id, None)
-        if seq is None:
-            return False
+    # -- SequenceEngine --------------------------------------------------------------------------
+    def _free(self, seq: DraftSequence) -> None:
         self.drafter.release(seq)
-        return True
 
-    def _expire_leases(self) -> None:
-        if self.leases.sweep(self.seqs):
-            self._update_gauges()
-
-
-class EngineStats:
-    def __init__(self) -> None:
-        self.batches = 0
-        self.proposals = 0
-        self.max_batch = 0
-        self.tokens = 0
-        self.seconds = 0.0
-
-    def record(self, batch_size: int, tokens: int, seconds: float) -> None:
-        self.batches += 1
-        self.proposals += batch_size
-        self.max_batch = max(self.max_batch, batch_size)
-        self.tokens += tokens
-        self.seconds += seconds
+    def kv_usage(self) -> float:
+        return self.drafter.kv_usage()

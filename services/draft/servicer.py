@@ -33,14 +33,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         facts, _ = self._ready()
         return capabilities(facts, self.lease_seconds)
 
-    @rpc
-    async def Propose(self, request: draft_pb2.ProposeRequest, context) -> draft_pb2.ProposeResponse:
-        return await self.propose(request)
-
-    async def ProposeStream(self, requests, context) -> None:
-        """Propose calls multiplexed on one stream (the contract: CallStatus in common.proto)."""
-        await call_stream.serve(requests, context, "Propose", self.propose,
-                                draft_pb2.ProposeStreamResponse)
+    Propose, ProposeStream = call_stream.unary_and_stream("Propose", "propose",
+                                                          draft_pb2.ProposeStreamResponse)
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         """Request -> engine call -> response: the one path of Propose and ProposeStream."""

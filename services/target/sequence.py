@@ -27,6 +27,12 @@ class TargetSequence:
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
+    def commit(self, tokens: int) -> None:
+        """A verify committed `tokens` block rows (the anchor and the accepted drafts)."""
+        self.seq_len += tokens
+        self.num_generated += tokens
+        self.touch()
+
     def suppress_rows(self, rows: int) -> int:
         """How many of `rows` predictions (output counts num_generated + i) are below min_tokens."""
         return max(0, min(rows, self.sampling.min_tokens - self.num_generated))

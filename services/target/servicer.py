@@ -67,29 +67,22 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             next_token=result.next_token, seq_len=result.seq_len,
             features=tensor_codec.encode(result.features) if result.features is not None else None)
 
-    @rpc
-    async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyResponse:
-        return await self.verify(request)
-
-    async def VerifyStream(self, requests, context) -> None:
-        """Verify calls multiplexed on one stream (the contract: CallStatus in common.proto)."""
-        await call_stream.serve(requests, context, "Verify", self.verify,
-                                target_pb2.VerifyStreamResponse)
+    Verify, VerifyStream = call_stream.unary_and_stream("Verify", "verify",
+                                                        target_pb2.VerifyStreamResponse)
 
     async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         """Request -> engine call -> response: the one path of Verify and VerifyStream."""
         worker, engine = self._ready_engine()
         seq_id = validation.sequence_id(request.sequence_id)
         ids = validation.token_ids(request.token_ids, worker.facts.vocab_size)
-        parents = list(request.parents) or None
-        if parents is None:
+        tree = None
+        if request.parents:
+            tree = _checked_tree(ids, list(request.parents), worker)
+        elif not 1 <= len(ids) <= worker.config.max_block_size:
             max_b = worker.config.max_block_size
-            if not 1 <= len(ids) <= max_b:
-                raise InvalidArgument(f"a verify block has {len(ids)} tokens; allowed 1..{max_b} "
-                                      f"(anchor + up to {max_b - 1} drafts)")
-        else:
-            _check_tree(ids, parents, worker)
-        result = await engine.verify(seq_id, ids, parents)
+            raise InvalidArgument(f"a verify block has {len(ids)} tokens; allowed 1..{max_b} "
+                                  f"(anchor + up to {max_b - 1} drafts)")
+        result = await engine.verify(seq_id, ids, tree)
         return target_pb2.VerifyResponse(
             accepted=result.accepted, committed_tokens=result.committed, seq_len=result.seq_len,
             features=tensor_codec.encode(result.features) if result.features is not None else None)
@@ -101,17 +94,20 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         return common_pb2.ReleaseResponse(released=released)
 
 
-def _check_tree(ids: list[int], parents: list[int], worker: TargetWorker) -> None:
-    """A tree Verify: one parent per draft, each before its child, within the node and depth
-    limits."""
+def _checked_tree(ids: list[int], parents: list[int], worker: TargetWorker) -> DraftTree:
+    """A tree Verify's drafts: one parent per draft, each before its child, within the node and
+    depth limits - checked here, the one place a tree is validated (the gateway forwards what
+    the draft proposed, the engine trusts this)."""
     max_nodes, max_b = worker.max_tree_nodes, worker.config.max_block_size
     if max_nodes == 0:
         raise InvalidArgument("this target verifies chains only (max_tree_nodes 0: a hybrid "
                               "model or --max-tree-nodes 0): send no parents")
-    problem = tree_problem(DraftTree(ids[1:], parents), max_nodes, max_b - 1)
+    tree = DraftTree(ids[1:], parents)
+    problem = tree_problem(tree, max_nodes, max_b - 1)
     if problem is not None:
         raise InvalidArgument(f"a tree Verify: {problem} (nodes: max_tree_nodes {max_nodes}; "
                               f"depth: --max-block-size {max_b} minus the anchor)")
+    return tree
 
 
 def capabilities(worker: TargetWorker) -> target_pb2.TargetCapabilities:

@@ -1,0 +1,104 @@
+"""One engine iteration's forward, planned: the works admitted to it, their tokens flattened in
+order, the positions they run at, each sequence's slice of the KV cache, and the rows of the
+forward whose logits are needed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.attention.metadata import SeqSlice
+from runtime.sampling import suppress_tokens
+from services.common.engine_loop import Work
+from services.target.calls import PrefillCall, VerifyCall
+from services.target.sequence import TargetSequence
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """A work admitted to this iteration's forward: n of its tokens run, for `seq`."""
+    work: Work
+    n: int
+    seq: TargetSequence
+
+    @property
+    def is_verify(self) -> bool:
+        return self.work.kind == "verify"
+
+    @property
+    def verify(self) -> VerifyCall:
+        return self.work.payload
+
+    @property
+    def prefill(self) -> PrefillCall:
+        return self.work.payload
+
+    @property
+    def start(self) -> int:
+        """Position of its first token (a prefill chunk continues where the last one ended)."""
+        return self.seq.seq_len if self.is_verify else self.work.done_tokens
+
+    @property
+    def finishes(self) -> bool:
+        """Its answer comes from this forward: a verify, or the prompt's last chunk."""
+        return self.is_verify or self.start + self.n == len(self.prefill.token_ids)
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows it needs logits for: every block row of a verify, the last prompt token."""
+        return self.n if self.is_verify else int(self.finishes)
+
+
+@dataclass(frozen=True)
+class Part:
+    item: Scheduled
+    row: int                  # its first row in the forward (hidden states, features)
+    logit_row: int            # its first row in the batch's logits
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    parts: list[Part]
+    ids: list[int]            # [T] every part's tokens, flattened in order
+    positions: list[int]      # [T] a tree's nodes run at (context + depth)
+    slices: list[SeqSlice]
+    logit_rows: list[int]     # forward rows whose logits are computed, in order
+    capture: tuple[int, ...]  # feature layers any sequence asked for, sorted
+
+    @staticmethod
+    def build(items: list[Scheduled]) -> BatchPlan:
+        parts, ids, positions, slices, logit_rows = [], [], [], [], []
+        for item in items:
+            parts.append(Part(item, len(ids), len(logit_rows)))
+            start, tree = item.start, None
+            if item.is_verify:
+                ids.extend(item.verify.tokens)
+                positions.extend(start + d for d in item.verify.depths)
+                tree = item.verify.tree.ancestor_mask() if item.verify.tree is not None else None
+            else:
+                ids.extend(item.prefill.token_ids[start: start + item.n])
+                positions.extend(range(start, start + item.n))
+            slices.append(SeqSlice(item.seq.table, start, item.n, tree))
+            last = len(ids) - item.logit_rows
+            logit_rows.extend(range(last, len(ids)))
+        capture = tuple(sorted({layer for i in items for layer in i.seq.capture_layers}))
+        return BatchPlan(parts, ids, positions, slices, logit_rows, capture)
+
+    def suppress_stop_tokens(self, logits: torch.Tensor, eos_ids: list[int]) -> None:
+        """min_tokens: in place, forbids a sequence's stop tokens (EOS and its stop_token_ids)
+        in the logits rows that predict outputs below its minimum; a block row predicts output
+        num_generated + its depth."""
+        for part in self.parts:
+            seq, item, row = part.item.seq, part.item, part.logit_row
+            stops = sorted(set(eos_ids) | set(seq.sampling.stop_token_ids)) \
+                if seq.sampling.min_tokens > 0 else []
+            if not stops or not item.logit_rows:
+                continue
+            if item.is_verify and item.verify.tree is not None:
+                below = seq.suppress_rows(item.n)
+                for i, depth in enumerate(item.verify.depths):
+                    if depth < below:
+                        suppress_tokens(logits[row + i: row + i + 1], stops, 1)
+            else:
+                rows = item.logit_rows
+                suppress_tokens(logits[row: row + rows], stops, seq.suppress_rows(rows))

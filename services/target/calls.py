@@ -1,0 +1,51 @@
+"""What the target engine is asked (from the servicer, the in-process loop and warm-up) and
+what it answers: domain objects, no protobuf."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from runtime.draft_tree import DraftTree
+from runtime.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    seq_id: str
+    token_ids: list[int]
+    sampling: SamplingConfig
+    capture_layers: tuple[int, ...]
+    feature_dtype: torch.dtype
+    num_generated: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    next_token: int
+    features: torch.Tensor | None       # [L, K*H] in the requested dtype (CPU)
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    tokens: list[int]                   # [anchor, d1..dn]
+    tree: DraftTree | None = None       # the drafts' parents (checked by the servicer); None = a chain
+
+    @property
+    def drafts(self) -> list[int]:
+        return self.tokens[1:]
+
+    @property
+    def depths(self) -> Sequence[int]:
+        """Each block row's offset from the anchor's position (0..n for a chain)."""
+        return self.tree.depths if self.tree is not None else range(len(self.tokens))
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accepted: int
+    committed: list[int]
+    features: torch.Tensor | None       # [a+1, K*H]
+    seq_len: int

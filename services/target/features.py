@@ -1,0 +1,76 @@
+"""Feature transfer: the tapped layers' hidden states of the rows each sequence commits, brought
+from the device to the host for the draft."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.target.sequence import TargetSequence
+
+
+class FeatureFetch:
+    """Collects (sequence, first row, rows) requests over one forward's captured features
+    [T, K*H] and brings them to the host together: one gather and one pinned device->host
+    copy per distinct (layers, dtype) group - one in the usual case where every sequence asks
+    for the same layers - instead of one transfer per sequence."""
+
+    def __init__(self, captured: torch.Tensor | None, capture: tuple[int, ...]) -> None:
+        self.captured, self.capture = captured, capture
+        # (layers, dtype, first row of the sequence's part, its rows wanted) per request
+        self.requests: list[tuple[tuple[int, ...], torch.dtype, int, Sequence[int]] | None] = []
+
+    def add(self, seq: TargetSequence, first: int, rows: Sequence[int]) -> None:
+        """rows: of the sequence's part of the forward, which starts at row `first`."""
+        if self.captured is None or not seq.capture_layers:
+            self.requests.append(None)
+        else:
+            self.requests.append((seq.capture_layers, seq.feature_dtype, first, rows))
+
+    def fetch(self) -> list[torch.Tensor | None]:
+        """Per request, a host tensor [rows, len(layers)*H] in its dtype (None: none asked)."""
+        out: list[torch.Tensor | None] = [None] * len(self.requests)
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(self.requests):
+            if r is not None:
+                groups.setdefault(r[:2], []).append(i)
+        for (layers, dtype), members in groups.items():
+            rows = self._columns(self._rows(members), layers).to(dtype)
+            host = to_host(rows)
+            start = 0
+            for i in members:
+                n = len(self.requests[i][3])
+                out[i] = host[start: start + n]
+                start += n
+        return out
+
+    def _rows(self, members: list[int]) -> torch.Tensor:
+        """The requested rows of the members, in order (a slice when they are one range)."""
+        spans = [(self.requests[i][2], self.requests[i][3]) for i in members]
+        if len(spans) == 1 and isinstance(spans[0][1], range) and spans[0][1].step == 1:
+            first, rows = spans[0]
+            return self.captured[first + rows.start: first + rows.stop]
+        index = torch.cat([torch.arange(first + rows.start, first + rows.stop)
+                           if isinstance(rows, range) and rows.step == 1
+                           else torch.tensor([first + r for r in rows], dtype=torch.int64)
+                           for first, rows in spans])
+        return self.captured.index_select(0, index.to(self.captured.device))
+
+    def _columns(self, rows: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
+        """The columns of `layers` (a subset of the batch's captured layers, in their order)."""
+        if layers == self.capture:
+            return rows
+        h = rows.shape[-1] // len(self.capture)
+        return torch.cat([rows[:, self.capture.index(layer) * h: (self.capture.index(layer) + 1) * h]
+                          for layer in layers], dim=-1)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """One device->host copy into pinned memory (torch's caching host allocator reuses the
+    block once the returned tensor is freed); CPU tensors are returned as they are."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host

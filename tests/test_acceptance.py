@@ -1,0 +1,39 @@
+"""Acceptance as pure functions: the batched greedy acceptance decided on the device equals the
+rule written out sequentially."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from runtime.acceptance import greedy_accept_batch
+
+
+def sequential_greedy(drafts: list[int], argmax: list[int]) -> tuple[int, int]:
+    """The rule written out: accept while the draft equals the target's argmax; the bonus is the
+    argmax at the first mismatch (or after the last draft)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == argmax[a]:
+        a += 1
+    return a, argmax[a]
+
+
+def test_greedy_acceptance_batch_matches_the_sequential_rule():
+    rng = random.Random(3)
+    drafts, argmax, expect = [], [], []
+    for _ in range(40):
+        n = rng.randrange(0, 8)
+        am = [rng.randrange(3) for _ in range(n + 1)]
+        d = [rng.randrange(3) for _ in range(n)]
+        drafts.append(d)
+        argmax.append(am)
+        expect.append(sequential_greedy(d, am))
+    width = max(len(d) for d in drafts)
+    dt = torch.full((len(drafts), width), -1, dtype=torch.int64)
+    at = torch.zeros((len(drafts), width + 1), dtype=torch.int64)
+    for i, (d, am) in enumerate(zip(drafts, argmax)):
+        dt[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
+        at[i, : len(am)] = torch.tensor(am)
+        at[i, len(am):] = am[-1]
+    assert greedy_accept_batch(dt, at).tolist() == [list(e) for e in expect]
+    assert any(a > 0 for a, _ in expect) and any(a < len(d) for (a, _), d in zip(expect, drafts))
