@@ -18,8 +18,8 @@ from gateway import config as gateway_config
 from gateway import grpc_api
 from gateway.auth import ApiKeyInterceptor, ApiKeys
 from gateway.config import GatewayConfig
+from gateway.generation import drain_releases
 from gateway.http_api import build_app
-from gateway.loop import drain_releases
 from gateway.service import GatewayService
 from gateway.state import GatewayState
 from services.common import tls

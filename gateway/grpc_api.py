@@ -10,7 +10,7 @@ import grpc
 
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.errors import classify
-from gateway.loop import Event, Usage
+from gateway.generation import Event, Usage
 from gateway.request import GenerationRequest, RequestError
 from gateway.service import GatewayService
 from services.common import metrics

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.auth import OPEN_HTTP, ApiKeyMiddleware, ApiKeys
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import ClientError, ModelNotFound, classify
-from gateway.loop import Event, Usage
+from gateway.generation import Event, Usage
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.request import GenerationRequest
 from gateway.service import GatewayService

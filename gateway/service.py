@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from dflash.v1 import gateway_pb2
 from gateway.admission import Admission, Ticket
-from gateway.loop import Event, Generation
+from gateway.generation import Event, Generation
 from gateway.request import GenerationRequest, Limits, validate
 from gateway.state import GatewayState
 from services.common import metrics

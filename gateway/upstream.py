@@ -126,6 +126,17 @@ class Upstream:
         for stream in list(self.streams.values()):
             await stream.settled(sequence_id)
 
+    async def release(self, sequence_id: str, timeout: float) -> None:
+        """Best effort: a service that is down has lost the sequence, or its lease frees it. Sent
+        after the sequence's cancelled calls were answered, so that none of them runs after it."""
+        await self.settled(sequence_id)
+        try:
+            await self.stub.Release(common_pb2.ReleaseRequest(sequence_id=sequence_id),
+                                    timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            self.count_error(e.code())
+            log.debug("release on %s failed: %s", self.role, e.code().name)
+
     async def _streamed(self, method: str, request: Any, timeout: float) -> Any:
         try:
             return await self.streams[method].call(request, timeout)

@@ -170,13 +170,20 @@ def test_seed_offset_changes_the_seed_only_on_rebuilds():
 
 
 # -- feed -----------------------------------------------------------------------------------------------
-def test_feed_concatenates_raw_rows():
+def test_feed_concatenates_raw_rows_of_consecutive_positions():
     f = DraftFeed()
-    f.append(common_pb2.TensorData(data=b"\x01\x02" * 2, dtype="bfloat16", shape=[1, 2]), [0], [7])
-    f.append(common_pb2.TensorData(data=b"\x03\x04" * 4, dtype="bfloat16", shape=[2, 2]), [1, 2],
-             [8, 9])
+    f.append(common_pb2.TensorData(data=b"\x01\x02" * 2, dtype="bfloat16", shape=[1, 2]), [7])
+    f.append(common_pb2.TensorData(data=b"\x03\x04" * 4, dtype="bfloat16", shape=[2, 2]), [8, 9])
     t = f.features()
     assert list(t.shape) == [3, 2] and t.data == b"\x01\x02" * 2 + b"\x03\x04" * 4
     assert f.positions == [0, 1, 2] and f.token_ids == [7, 8, 9] and f.nbytes == 12
     with pytest.raises(ValueError):
-        f.append(common_pb2.TensorData(data=b"\x00" * 4, dtype="float32", shape=[1, 1]), [3], [1])
+        f.append(common_pb2.TensorData(data=b"\x00" * 4, dtype="float32", shape=[1, 1]), [1])
+    with pytest.raises(ValueError, match="2 feature rows for 1 positions"):
+        f.append(common_pb2.TensorData(data=b"\x03\x04" * 4, dtype="bfloat16", shape=[2, 2]), [1])
+    f.sent()                                  # the draft took them: the next rows continue
+    f.append(None, [10, 11])
+    assert f.positions == [3, 4] and f.features() is None and f.nbytes == 0
+    f.reset()                                 # a rebuild: everything again from position 0
+    f.append(None, [1, 2, 3])
+    assert f.positions == [0, 1, 2]

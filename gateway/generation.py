@@ -1,0 +1,204 @@
+"""The per-request speculative loop (docs/architecture.md, "The loop").
+
+    prefill: t0 = target.Prefill(seq, prompt, sampling, capture_layers)   features of the prompt
+    step:    d  = draft.Propose(seq, features not sent yet, anchor, B)      B-1 draft tokens
+             v  = target.Verify(seq, [anchor] + d)                           a, [d1..da, bonus]
+             (greedy requests with --spec-tree-nodes N: d is a tree of N drafts with parents,
+              and Verify commits the longest path of the target's own greedy choices in it)
+    end:     Release on both services (finished, failed or cancelled)
+
+The gateway owns the request: its prompt and committed output (the OutputProcessor) are the
+truth, and the committed length is derived from them. The services hold soft state that the
+links rebuild when it is lost: target_link.py (Prefill / Verify with recovery), draft_link.py
+(the draft's state, its feed, Propose)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from gateway.admission import Admission
+from gateway.draft_link import NO_DRAFTS, DraftLink
+from gateway.output import OutputProcessor
+from gateway.request import GenerationRequest
+from gateway.state import GatewayState, Speculation
+from gateway.target_link import Context, ProposalRefused, Rebuilds, TargetLink
+from gateway.telemetry import RequestTelemetry
+
+log = logging.getLogger("dflash.gateway.loop")
+_background: set[asyncio.Task] = set()
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    verify_steps: int = 0
+    draft_steps: int = 0             # verify steps that carried at least one draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / drafting steps (vLLM's definition; 1.0 when nothing was drafted)."""
+        return 1.0 + self.accepted_tokens / self.draft_steps if self.draft_steps else 1.0
+
+    def record_step(self, drafts: int, accepted: int) -> None:
+        self.verify_steps += 1
+        if drafts:
+            self.draft_steps += 1
+            self.draft_tokens += drafts
+            self.accepted_tokens += accepted
+
+
+@dataclass(frozen=True)
+class Event:
+    token_ids: list[int]
+    text: str
+    accepted: int                    # drafts accepted in this step
+    finish_reason: str | None = None
+    usage: Usage | None = None       # on the last event
+
+
+class Generation:
+    """One request. Iterate `events()` inside `contextlib.aclosing` so that cancellation runs
+    the release."""
+
+    def __init__(self, state: GatewayState, req: GenerationRequest, arrival: float,
+                 admission: Admission) -> None:
+        self.state, self.req = state, req
+        self.admission = admission       # its running count decides whether to draft (load rule)
+        self.out = OutputProcessor(req, list(state.target_caps.eos_token_ids), state.tokenizer)
+        self.usage = Usage(prompt_tokens=len(req.prompt_ids))
+        self.telemetry = RequestTelemetry(state.metrics_model, arrival)
+        rebuilds = Rebuilds()
+        self.target = TargetLink(state, f"gw-{uuid.uuid4().hex[:24]}", req, rebuilds,
+                                 self.context, lambda: (self.draft.capture_layers,
+                                                        self.draft.feature_dtype))
+        self.draft = DraftLink(state, self.target, rebuilds)
+
+    # -- the loop ------------------------------------------------------------------------------
+    async def events(self) -> AsyncIterator[Event]:
+        reason = "error"
+        log.debug("request started", extra={**self.target.ids, "max_tokens": self.req.max_tokens,
+                                            "prompt_tokens": len(self.req.prompt_ids)})
+        try:
+            yield await self._prefill()
+            while self.out.finish_reason is None:
+                yield await self._step()
+            reason = self.out.finish_reason
+        except (asyncio.CancelledError, GeneratorExit):
+            reason = self.out.finish_reason or "abort"
+            raise
+        except Exception as e:
+            log.warning("request failed: %s", e, extra=self.target.ids)
+            raise
+        finally:
+            self.telemetry.finished(reason, self.usage.prompt_tokens, self.usage.completion_tokens)
+            self._log_finished(reason)
+            await _shielded(self._release())
+
+    async def _prefill(self) -> Event:
+        self.draft.choose_capture(self.state.speculation())
+        prompt = list(self.req.prompt_ids)
+        resp = await self.target.prefill(prompt, 0)
+        self.telemetry.prefill_done(len(resp.features.data) if self.draft.capture_layers else None)
+        self.draft.keep(resp.features, prompt)
+        return self._deliver([resp.next_token], accepted=0)
+
+    async def _step(self) -> Event:
+        spec = self.state.speculation()
+        block = self._block_size(spec)
+        anchor = self.out.output[-1]
+        t0 = time.perf_counter()
+        drafts = await self.draft.propose(spec, block, self._tree_nodes(spec), anchor) \
+            if block > 1 else NO_DRAFTS
+        t1 = time.perf_counter()
+        try:
+            resp = await self.target.verify([anchor] + drafts.tokens,
+                                            [] if drafts.is_chain else drafts.parents)
+        except ProposalRefused as e:     # a draft's fault costs only this step's speculation
+            log.warning("the target refused the draft's proposal (%s); this step verifies no "
+                        "drafts", e.details, extra=self.target.ids)
+            drafts = NO_DRAFTS
+            resp = await self.target.verify([anchor], [])
+        t2 = time.perf_counter()
+        committed = list(resp.committed_tokens)
+        self.draft.keep(resp.features, [anchor] + committed[:-1])
+        n = len(drafts.tokens)
+        self.usage.record_step(n, resp.accepted)
+        event = self._deliver(committed, accepted=resp.accepted)
+        self.telemetry.step(t1 - t0 if block > 1 else None, t2 - t1, n, resp.accepted)
+        return event
+
+    def context(self) -> Context:
+        """Prompt + committed output without the anchor: the positions that have KV."""
+        return Context(list(self.req.prompt_ids) + self.out.output[:-1], len(self.out.output) - 1)
+
+    @property
+    def committed_len(self) -> int:
+        """Positions with target KV (the anchor is not among them)."""
+        return len(self.req.prompt_ids) + len(self.out.output) - 1
+
+    def _block_size(self, spec: Speculation) -> int:
+        """B = min(requested or default, max block, tokens still allowed, room in the context);
+        1 (no drafting; the feed keeps the features) when the draft cannot draft now, or above
+        --spec-disable-batch-size running requests, where batched one-token verifies are worth
+        more than drafts on hardware that is compute-bound at large batches."""
+        if not self.draft.can_draft(spec):
+            return 1
+        limit = self.state.config.spec_disable_batch_size
+        if limit and self.admission.running > limit:
+            return 1
+        room = self.state.target_caps.max_context - self.committed_len
+        wanted = self.req.block_size or spec.block_size
+        return max(1, min(wanted, spec.max_block_size, self.out.remaining, room))
+
+    def _tree_nodes(self, spec: Speculation) -> int:
+        """Drafts per tree for this step: greedy requests only (a tree's exactness is the
+        target's greedy path), within the context's room; 0 = a chain."""
+        if not spec.tree_nodes or self.req.temperature > 0:
+            return 0
+        room = self.state.target_caps.max_context - self.committed_len - 1
+        return max(0, min(spec.tree_nodes, room))
+
+    # -- output ----------------------------------------------------------------------------------
+    def _deliver(self, tokens: list[int], accepted: int) -> Event:
+        d = self.out.add(tokens)
+        self.usage.completion_tokens = len(self.out.output)
+        self.telemetry.emitted(len(d.token_ids))
+        usage = self.usage if d.finish_reason else None
+        return Event(d.token_ids, d.text, accepted, d.finish_reason, usage)
+
+    def _log_finished(self, reason: str) -> None:
+        u = self.usage
+        log.info("request finished", extra={
+            **self.target.ids, "finish_reason": reason, "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens, "verify_steps": u.verify_steps,
+            "draft_steps": u.draft_steps, "accepted_tokens": u.accepted_tokens,
+            "acceptance_length": round(u.mean_acceptance_length, 4),
+            "rebuilds": self.target.rebuilds.done, "preemptions": self.target.preemptions,
+            "seconds": round(time.perf_counter() - self.telemetry.arrival, 3)})
+
+    async def _release(self) -> None:
+        await asyncio.gather(self.target.release(), self.draft.release())
+
+
+async def drain_releases(timeout: float) -> None:
+    """At shutdown: let the releases of cancelled requests reach the services."""
+    if _background:
+        await asyncio.wait(set(_background), timeout=timeout)
+
+
+async def _shielded(coro) -> None:
+    """Runs coro to the end even if the caller is cancelled again meanwhile."""
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        pass
