@@ -69,6 +69,9 @@ class HookFlags:
         return ServiceHooks(warmup_delay_s=self.warmup_delay_s, random_weights=self.random_weights)
 
 
+NO_HOOK_FLAGS = HookFlags()
+
+
 def parse(argv: list[str]) -> tuple[str, HookFlags, list[str]]:
     """(role, hooks, the service's own argv)."""
     if "--" in argv:

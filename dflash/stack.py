@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.harness import HookFlags
+from dflash.harness import NO_HOOK_FLAGS, HookFlags
 from runtime.attention.registry import default_backend
 from runtime.home import models_home
 
@@ -68,8 +68,8 @@ class StackOptions:
     attention_backend: str = ""        # target and draft; "" = triton on CUDA, torch on CPU
     target_args: tuple[str, ...] = ()  # extra flags, appended as given (benchmarks)
     draft_args: tuple[str, ...] = ()
-    target_hooks: HookFlags = HookFlags()   # tests and benchmarks: started through dflash.harness
-    draft_hooks: HookFlags = HookFlags()
+    target_hooks: HookFlags = NO_HOOK_FLAGS   # tests and benchmarks: through dflash.harness
+    draft_hooks: HookFlags = NO_HOOK_FLAGS
     gateway_args: tuple[str, ...] = ()
 
 
@@ -220,7 +220,7 @@ class Stack:
         """`-m` and what follows it up to the service's flags: the service, or the harness when
         hooks are set."""
         hooks = self.opts.target_hooks if role == "target" else self.opts.draft_hooks
-        if hooks == HookFlags():
+        if hooks == NO_HOOK_FLAGS:
             return [f"services.{role}"]
         return ["dflash.harness", role, *hooks.argv(), "--"]
 

@@ -1,7 +1,8 @@
 """python -m gateway --target HOST:PORT [--draft HOST:PORT] --tokenizer DIR --port P --http-port H
 
 The gateway: gRPC dflash.v1.Gateway and the OpenAI-compatible HTTP API in one process and one
-event loop. It serves only after its upstreams are SERVING and compatible (DESIGN §4)."""
+event loop. It serves only after its upstreams are SERVING and compatible
+(docs/architecture.md §7)."""
 from __future__ import annotations
 
 import argparse

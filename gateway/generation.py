@@ -97,8 +97,9 @@ class Generation:
             log.warning("request failed: %s", e, extra=self.target.ids)
             raise
         finally:
-            self.telemetry.finished(reason, self.usage.prompt_tokens, self.usage.completion_tokens)
-            self._log_finished(reason)
+            self.telemetry.finished(reason, self.usage, self.target.ids,
+                                    rebuilds=self.target.rebuilds.done,
+                                    preemptions=self.target.preemptions)
             await _shielded(self._release())
 
     async def _prefill(self) -> Event:
@@ -114,8 +115,8 @@ class Generation:
         block = self._block_size(spec)
         anchor = self.out.output[-1]
         t0 = time.perf_counter()
-        drafts = await self.draft.propose(spec, block, self._tree_nodes(spec), anchor) \
-            if block > 1 else NO_DRAFTS
+        nodes = spec.tree_for(self.req.temperature == 0, self._room() - 1)
+        drafts = await self.draft.propose(spec, block, nodes, anchor) if block > 1 else NO_DRAFTS
         t1 = time.perf_counter()
         try:
             resp = await self.target.verify([anchor] + drafts.tokens,
@@ -144,26 +145,17 @@ class Generation:
         return len(self.req.prompt_ids) + len(self.out.output) - 1
 
     def _block_size(self, spec: Speculation) -> int:
-        """B = min(requested or default, max block, tokens still allowed, room in the context);
-        1 (no drafting; the feed keeps the features) when the draft cannot draft now, or above
-        --spec-disable-batch-size running requests, where batched one-token verifies are worth
-        more than drafts on hardware that is compute-bound at large batches."""
-        if not self.draft.can_draft(spec):
-            return 1
+        """1 (no drafting; the draft link keeps the features) when the draft cannot draft now,
+        or above --spec-disable-batch-size running requests, where batched one-token verifies
+        are worth more than drafts on hardware that is compute-bound at large batches."""
         limit = self.state.config.spec_disable_batch_size
-        if limit and self.admission.running > limit:
+        if not self.draft.can_draft(spec) or (limit and self.admission.running > limit):
             return 1
-        room = self.state.target_caps.max_context - self.committed_len
-        wanted = self.req.block_size or spec.block_size
-        return max(1, min(wanted, spec.max_block_size, self.out.remaining, room))
+        return spec.block_for(self.req.block_size, self.out.remaining, self._room())
 
-    def _tree_nodes(self, spec: Speculation) -> int:
-        """Drafts per tree for this step: greedy requests only (a tree's exactness is the
-        target's greedy path), within the context's room; 0 = a chain."""
-        if not spec.tree_nodes or self.req.temperature > 0:
-            return 0
-        room = self.state.target_caps.max_context - self.committed_len - 1
-        return max(0, min(spec.tree_nodes, room))
+    def _room(self) -> int:
+        """Positions left in the context after the committed ones."""
+        return self.state.target_caps.max_context - self.committed_len
 
     # -- output ----------------------------------------------------------------------------------
     def _deliver(self, tokens: list[int], accepted: int) -> Event:
@@ -172,16 +164,6 @@ class Generation:
         self.telemetry.emitted(len(d.token_ids))
         usage = self.usage if d.finish_reason else None
         return Event(d.token_ids, d.text, accepted, d.finish_reason, usage)
-
-    def _log_finished(self, reason: str) -> None:
-        u = self.usage
-        log.info("request finished", extra={
-            **self.target.ids, "finish_reason": reason, "prompt_tokens": u.prompt_tokens,
-            "completion_tokens": u.completion_tokens, "verify_steps": u.verify_steps,
-            "draft_steps": u.draft_steps, "accepted_tokens": u.accepted_tokens,
-            "acceptance_length": round(u.mean_acceptance_length, 4),
-            "rebuilds": self.target.rebuilds.done, "preemptions": self.target.preemptions,
-            "seconds": round(time.perf_counter() - self.telemetry.arrival, 3)})
 
     async def _release(self) -> None:
         await asyncio.gather(self.target.release(), self.draft.release())

@@ -38,6 +38,16 @@ class Speculation:
     def capture_layers(self) -> list[int]:
         return list(self.draft.target_layer_ids) if self.draft and self.draft.needs_features else []
 
+    def block_for(self, requested: int, remaining: int, room: int) -> int:
+        """A step's verify block: the request's (or the default) block within the pair's max,
+        the tokens the request may still produce and the room left in the context."""
+        return max(1, min(requested or self.block_size, self.max_block_size, remaining, room))
+
+    def tree_for(self, greedy: bool, room: int) -> int:
+        """Drafts per tree for a step: greedy requests only (a tree's exactness is the target's
+        greedy path), within the context's room; 0 = a chain."""
+        return max(0, min(self.tree_nodes, room)) if greedy and self.tree_nodes else 0
+
 
 class GatewayState:
     def __init__(self, config: GatewayConfig) -> None:

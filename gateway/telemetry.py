@@ -1,4 +1,4 @@
-"""Prometheus metrics of one request (names: services/common/metrics.py, DESIGN §7).
+"""Prometheus metrics of one request (names: services/common/metrics.py, docs/architecture.md §9).
 
 Per step, "draft" and "verify" are the Propose and Verify round trips as the gateway sees them;
 "gateway" is the rest of the step's wall time (output processing, detokenization, handing the
@@ -8,10 +8,16 @@ tokens after t seconds counts n observations of t/n (as SGLang counts under spec
 HttpMetrics counts the HTTP API's requests by route template and status."""
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common import metrics
+
+if TYPE_CHECKING:
+    from gateway.generation import Usage
+
+log = logging.getLogger("dflash.gateway.loop")
 
 
 class RequestTelemetry:
@@ -52,14 +58,23 @@ class RequestTelemetry:
         metrics.STEP.labels(self.model, "gateway").observe(max(0.0, rest))
         metrics.record_acceptance(self.model, drafts, accepted)
 
-    def finished(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+    def finished(self, reason: str, usage: Usage, ids: dict, **recovery: int) -> None:
+        """The request's end: one log line with its numbers (ids: request_id and seq; recovery:
+        rebuilds, preemptions), and its metrics."""
+        seconds = time.perf_counter() - self.arrival
+        log.info("request finished", extra={
+            **ids, "finish_reason": reason, "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens, "verify_steps": usage.verify_steps,
+            "draft_steps": usage.draft_steps, "accepted_tokens": usage.accepted_tokens,
+            "acceptance_length": round(usage.mean_acceptance_length, 4), **recovery,
+            "seconds": round(seconds, 3)})
         if not self.model:
             return
         m = self.model
-        metrics.E2E.labels(m).observe(time.perf_counter() - self.arrival)
+        metrics.E2E.labels(m).observe(seconds)
         metrics.REQUEST_SUCCESS.labels(m, reason).inc()
-        metrics.PROMPT_TOKENS.labels(m).inc(prompt_tokens)
-        metrics.GENERATION_TOKENS.labels(m).inc(completion_tokens)
+        metrics.PROMPT_TOKENS.labels(m).inc(usage.prompt_tokens)
+        metrics.GENERATION_TOKENS.labels(m).inc(usage.completion_tokens)
 
 
 class HttpMetrics:

@@ -194,7 +194,7 @@ class Upstream:
         return got
 
     async def _on_serving(self) -> None:
-        """SERVING: only now ask for capabilities (never before, DESIGN §4)."""
+        """SERVING: only now ask for capabilities (never before, docs/architecture.md §7)."""
         if self.serving:
             return
         t0 = time.monotonic()

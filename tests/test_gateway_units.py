@@ -9,6 +9,7 @@ from dflash.v1 import common_pb2, draft_pb2, target_pb2
 from gateway import compat
 from gateway.feed import DraftFeed
 from gateway.request import GenerationRequest, Limits, RequestError, validate
+from gateway.state import Speculation
 from gateway.stop import StopMatcher
 
 
@@ -187,3 +188,17 @@ def test_feed_concatenates_raw_rows_of_consecutive_positions():
     f.reset()                                 # a rebuild: everything again from position 0
     f.append(None, [1, 2, 3])
     assert f.positions == [0, 1, 2]
+
+
+# -- step shape -----------------------------------------------------------------------------------
+def test_speculation_sizes_each_step_within_every_limit():
+    spec = Speculation(draft=None, block_size=8, max_block_size=16, generation=1, tree_nodes=63)
+    assert spec.block_for(0, remaining=100, room=100) == 8          # the default block
+    assert spec.block_for(32, remaining=100, room=100) == 16        # the pair's max
+    assert spec.block_for(0, remaining=3, room=100) == 3            # tokens still allowed
+    assert spec.block_for(0, remaining=100, room=2) == 2            # room in the context
+    assert spec.block_for(0, remaining=0, room=0) == 1              # always the anchor
+    assert spec.tree_for(greedy=True, room=100) == 63
+    assert spec.tree_for(greedy=True, room=10) == 10
+    assert spec.tree_for(greedy=False, room=100) == 0               # sampled: a chain
+    assert Speculation(None, 8, 16, 1).tree_for(greedy=True, room=100) == 0

@@ -198,7 +198,7 @@ def test_speculative_verify_equals_greedy_and_needs_the_commit(hybrid_dir, logs,
         skipped, _ = speculate(client, "spec", PROMPT, reference, n)
         assert skipped != reference
         client.close()
-        assert "UNSAFE testing flag" in unsafe.log()
+        assert "UNSAFE testing hook" in unsafe.log()
     finally:
         assert unsafe.stop() == 0
 

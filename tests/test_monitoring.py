@@ -1,4 +1,4 @@
-"""Observability end to end (DESIGN §7, issue 6).
+"""Observability end to end (docs/architecture.md §9, issue 6).
 
 - The Grafana dashboard (deploy/grafana/dashboards/dflash.json) is valid and its queries name
   only metrics of services/common/metrics.py (static), and only metrics the three services

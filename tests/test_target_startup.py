@@ -1,5 +1,5 @@
 """The seed's regression: nothing asks the target about its attention backend before the backend
-exists (DESIGN.md §4). In-process checks of the worker's stages, then real servers observed
+exists (docs/architecture.md §7). In-process checks of the worker's stages, then real servers observed
 through grpc.health.v1 (Check and a Watch stream)."""
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="move each random anchor N steps of the drafter's own speculative loop "
                         "(anchor + accepted drafts + 1, one no-grad block forward per hop), so "
                         "training blocks start where the loop starts them (0 = off; 1 was "
-                        "measured behind uniform anchors, docs/benchmarks.md)")
+                        "measured behind uniform anchors, docs/drafter-research.md)")
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--sampled-temperature", type=float, default=0.7,
                    help="more answers per prompt sampled at this temperature (0 = greedy only)")

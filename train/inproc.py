@@ -1,5 +1,6 @@
-"""Speculative decoding over in-process engines (no gRPC): the DESIGN §3 loop reduced to what
-evaluation and benchmarks need (EOS and max_tokens stops; no stop strings, no detokenization).
+"""Speculative decoding over in-process engines (no gRPC): the loop of docs/architecture.md §5
+reduced to what evaluation and benchmarks need (EOS and max_tokens stops; no stop strings, no
+detokenization).
 The serving loop with recovery, fallback and streaming is gateway/generation.py."""
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import torch
 
 from runtime.draft_tree import DraftTree
 from runtime.sampling import SamplingConfig
-from services.common.hooks import ServiceHooks
+from services.common.hooks import NO_HOOKS, ServiceHooks
 from services.draft.config import DraftConfig
 from services.draft.drafter import make_drafter
 from services.draft.engine import DraftEngine, ProposeCall
 from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
-from services.target.hooks import TargetHooks
+from services.target.hooks import NO_TARGET_HOOKS, TargetHooks
 from services.target.worker import TargetWorker
 
 
@@ -47,8 +48,8 @@ class Engines:
 
 
 def start_engines(target_cfg: TargetConfig, draft_cfg: DraftConfig | None,
-                  target_hooks: TargetHooks = TargetHooks(),
-                  draft_hooks: ServiceHooks = ServiceHooks()) -> Engines:
+                  target_hooks: TargetHooks = NO_TARGET_HOOKS,
+                  draft_hooks: ServiceHooks = NO_HOOKS) -> Engines:
     """hooks: benchmarks (random weights, forced acceptance; services/common/hooks.py)."""
     target = TargetEngine(TargetWorker.started(target_cfg, target_hooks))
     target.start()

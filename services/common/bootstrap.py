@@ -1,6 +1,7 @@
 """The life of a model service process (target, draft), shared by both `__main__`s:
 
-    listen      gRPC server up, health "" SERVING, the service name NOT_SERVING (DESIGN §4)
+    listen      gRPC server up, health "" SERVING, the service name NOT_SERVING
+                (docs/architecture.md §7)
     start-up    the service's own stages (weights, pools, backends, graphs, warm-up), one
                 engine at the end; a refusal (StartRefused) exits with EXIT_REFUSED
     serve       health SERVING until SIGTERM / SIGINT
@@ -22,7 +23,6 @@ import grpc
 from runtime import threads
 from services.common import metrics, tls
 from services.common.guard import Drain
-from services.common.hooks import ServiceHooks
 from services.common.logs import setup_logging
 from services.common.metrics_server import start_metrics
 from services.common.server import (
@@ -68,7 +68,7 @@ class ModelService:
         return len(engine.seqs) if engine is not None else 0
 
 
-async def serve(args: argparse.Namespace, service: ModelService, hooks: ServiceHooks) -> int:
+async def serve(args: argparse.Namespace, service: ModelService) -> int:
     """Listens, starts up, serves until a stop signal, drains; returns the exit code."""
     metrics.init(service.metrics_model, service.role)
     readiness = Readiness(service.service_name)
@@ -88,8 +88,6 @@ async def serve(args: argparse.Namespace, service: ModelService, hooks: ServiceH
         log.error("refusing to serve: %s", e)
         await server.stop(0)
         return EXIT_REFUSED
-    if hooks.warmup_delay_s:
-        await asyncio.sleep(hooks.warmup_delay_s)
     await readiness.set(True)
     try:
         await serve_until_stopped(server, readiness, stop, drain)
@@ -105,7 +103,7 @@ async def stage(fn: Callable[..., T], *args: Any) -> T:
 
 
 def run(role: str, argv: list[str] | None, parse_args: Callable[[list[str] | None], Any],
-        build: Callable[[Any], ModelService], hooks: ServiceHooks) -> int:
+        build: Callable[[Any], ModelService]) -> int:
     """A service's `main`: arguments, logs, then `serve`. `build(args)` makes the service; a
     ValueError from it (a bad configuration) exits with EXIT_REFUSED."""
     threads.serial()            # only the engine thread computes in parallel (runtime/threads.py)
@@ -116,4 +114,4 @@ def run(role: str, argv: list[str] | None, parse_args: Callable[[list[str] | Non
     except ValueError as e:
         log.error("bad configuration: %s", e)
         return EXIT_REFUSED
-    return asyncio.run(serve(args, service, hooks))
+    return asyncio.run(serve(args, service))

@@ -13,3 +13,6 @@ class ServiceHooks:
     warmup_delay_s: float = 0.0        # start-up tests: make warm-up observably slow
     random_weights: bool = False       # benchmarks: random weights instead of the checkpoint's
                                        # (a forward's speed does not depend on the values)
+
+
+NO_HOOKS = ServiceHooks()              # what a deployment runs with

@@ -1,4 +1,4 @@
-"""Prometheus metrics of all three services (names and meanings: DESIGN.md §7).
+"""Prometheus metrics of all three services (names and meanings: docs/architecture.md §9).
 
 One process = one service. `init(model_name, service)` is called once at start-up; code then
 uses `get()`. Every series carries `model_name`; no label takes unbounded values (no ids).

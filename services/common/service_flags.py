@@ -33,3 +33,11 @@ def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget:
               help="run every forward eagerly (graphs are captured during warm-up on CUDA with "
                    "the triton backend only)")
     tls.add_server_flags(p)
+
+
+def check_server_tls(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A bad --tls-* path or a non-PEM file is an argument error at start-up, with its reason."""
+    try:
+        tls.check_readable(tls.server_from_args(args))
+    except tls.TlsConfigError as e:
+        p.error(str(e))

@@ -6,15 +6,16 @@ warms up with a real append + propose, and only then reports SERVING."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import time
 
 import torch
 
 from runtime.config import default_model_id
-from services.common import bootstrap, flags, tls
-from services.common.hooks import ServiceHooks
-from services.common.service_flags import add_model_service_flags
+from services.common import bootstrap, flags
+from services.common.hooks import NO_HOOKS, ServiceHooks
+from services.common.service_flags import add_model_service_flags, check_server_tls
 from services.draft import servicer as draft_servicer
 from services.draft.config import DraftConfig
 from services.draft.drafter import DRAFTERS, Drafter, make_drafter
@@ -50,10 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--target-model (or DFLASH_TARGET_MODEL) is required")
     if args.drafter == "dflash" and not args.model:
         p.error("--model (or DFLASH_MODEL) is required for --drafter dflash")
-    try:
-        tls.check_readable(tls.server_from_args(args))
-    except tls.TlsConfigError as e:
-        p.error(str(e))
+    check_server_tls(p, args)
     return args
 
 
@@ -77,8 +75,9 @@ def metrics_name(config: DraftConfig) -> str:
     return f"{config.drafter}:{default_model_id(config.target_dir)}"
 
 
-async def warmup(engine: DraftEngine, drafter: Drafter) -> None:
-    """A real append of a few context rows and a propose of the largest block, then release."""
+async def warmup(engine: DraftEngine, drafter: Drafter, delay_s: float) -> None:
+    """A real append of a few context rows and a propose of the largest block, then release
+    (and the hooks' extra delay: start-up tests)."""
     t0 = time.monotonic()
     f = drafter.facts
     n = 4
@@ -86,6 +85,7 @@ async def warmup(engine: DraftEngine, drafter: Drafter) -> None:
                 if f.needs_features else None)
     await engine.propose(ProposeCall(WARMUP_ID, 0, n, features, [0] * n, 0, f.max_block_size))
     await engine.release(WARMUP_ID)
+    await asyncio.sleep(delay_s)
     log.info("warm-up done", extra={"seconds": round(time.monotonic() - t0, 2)})
 
 
@@ -106,7 +106,7 @@ def service(args: argparse.Namespace, hooks: ServiceHooks) -> bootstrap.ModelSer
         engine.start()
         servicer.stage = "warming up"
         try:
-            await warmup(engine, drafter)
+            await warmup(engine, drafter, hooks.warmup_delay_s)
         except BaseException:
             engine.stop()
             raise
@@ -126,9 +126,9 @@ def _starts_sequence(method: str, request) -> bool:
     return method == "Propose" and len(request.positions) > 0 and request.positions[0] == 0
 
 
-def main(argv: list[str] | None = None, hooks: ServiceHooks = ServiceHooks()) -> int:
+def main(argv: list[str] | None = None, hooks: ServiceHooks = NO_HOOKS) -> int:
     """hooks: tests and benchmarks only (dflash/harness.py); a deployment never sets them."""
-    return bootstrap.run("draft", argv, parse_args, lambda args: service(args, hooks), hooks)
+    return bootstrap.run("draft", argv, parse_args, lambda args: service(args, hooks))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import time
 
@@ -9,12 +10,12 @@ import torch
 
 from runtime.config import default_model_id
 from runtime.sampling import SamplingConfig
-from services.common import bootstrap, flags, tls
-from services.common.service_flags import add_model_service_flags
+from services.common import bootstrap, flags
+from services.common.service_flags import add_model_service_flags, check_server_tls
 from services.target import servicer as target_servicer
 from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
-from services.target.hooks import TargetHooks
+from services.target.hooks import NO_TARGET_HOOKS, TargetHooks
 from services.target.worker import TargetWorker
 
 log = logging.getLogger("dflash.target")
@@ -43,10 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.model:
         p.error("--model (or DFLASH_MODEL) is required")
-    try:
-        tls.check_readable(tls.server_from_args(args))
-    except tls.TlsConfigError as e:
-        p.error(str(e))
+    check_server_tls(p, args)
     return args
 
 
@@ -69,7 +67,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
 
 async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:
     """A real prefill and a verify of the largest block that fits (max context and KV pool)
-    through the engine, then release."""
+    through the engine, then release (and the hooks' extra delay: start-up tests)."""
     t0 = time.monotonic()
     room = min(worker.facts.max_context, worker.kv_cache.usable_pages * worker.config.page_size)
     block = max(1, min(worker.config.max_block_size, room // 2))
@@ -80,6 +78,7 @@ async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:
                                      torch.bfloat16))
     await engine.verify("__warmup__", [bos] * block)
     await engine.release("__warmup__")
+    await asyncio.sleep(worker.hooks.warmup_delay_s)
     log.info("warm-up done", extra={"seconds": round(time.monotonic() - t0, 2)})
 
 
@@ -88,8 +87,9 @@ def service(args: argparse.Namespace, hooks: TargetHooks) -> bootstrap.ModelServ
     servicer = target_servicer.TargetServicer()
 
     async def start() -> TargetEngine:
-        """DESIGN §4: weights, memory pools, attention backends, engine, CUDA graphs, warm-up;
-        the servicer names the stage reached until the worker is ready."""
+        """The start-up order (docs/architecture.md §7): weights, memory pools, attention
+        backends, engine, CUDA graphs, warm-up; the servicer names the stage reached until the
+        worker is ready."""
         servicer.worker = worker = await bootstrap.stage(TargetWorker, config, hooks)
         await bootstrap.stage(worker.alloc_memory_pools)
         await bootstrap.stage(worker.init_attention_backends)
@@ -108,9 +108,9 @@ def service(args: argparse.Namespace, hooks: TargetHooks) -> bootstrap.ModelServ
         refuse_while_draining=lambda method, request: method == "Prefill", start=start)
 
 
-def main(argv: list[str] | None = None, hooks: TargetHooks = TargetHooks()) -> int:
+def main(argv: list[str] | None = None, hooks: TargetHooks = NO_TARGET_HOOKS) -> int:
     """hooks: tests and benchmarks only (dflash/harness.py); a deployment never sets them."""
-    return bootstrap.run("target", argv, parse_args, lambda args: service(args, hooks), hooks)
+    return bootstrap.run("target", argv, parse_args, lambda args: service(args, hooks))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ class PrefillResult:
 @dataclass(frozen=True)
 class VerifyCall:
     tokens: list[int]                   # [anchor, d1..dn]
-    tree: DraftTree | None = None       # the drafts' parents (checked by the servicer); None = a chain
+    tree: DraftTree | None = None       # the drafts' parents (checked by the servicer);
+                                        # None = a chain
 
     @property
     def drafts(self) -> list[int]:

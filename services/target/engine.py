@@ -150,7 +150,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
 
     def _commit_mamba_states(self, plan: BatchPlan, accepted: list[Acceptance | None]) -> None:
         """Hybrid models: each verified sequence keeps the recurrent state of its last
-        committed block row (DESIGN §3)."""
+        committed block row (docs/architecture.md §6)."""
         commits = [(p.item.seq.state_slot, acc.accepted)
                    for p, acc in zip(plan.parts, accepted) if acc is not None]
         if commits and self.worker.facts.hybrid:

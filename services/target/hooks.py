@@ -21,3 +21,6 @@ class TargetHooks(ServiceHooks):
                                        # the tests that prove the commit matters
     forced_acceptance: AcceptanceOverride | None = None   # benchmarks: accepted drafts per chain
                                        # verify (the output is NOT the target's; speed only)
+
+
+NO_TARGET_HOOKS = TargetHooks()        # what a deployment runs with

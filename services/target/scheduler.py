@@ -139,5 +139,6 @@ class TargetScheduler:
 
     def _drop_failed_prefill(self, work: Work) -> None:
         """A prefill that failed leaves no half-built sequence behind."""
-        if work.kind == "prefill" and self.seqs.get(work.seq_id) is work.state.get("seq") is not None:
+        seq = work.state.get("seq")
+        if work.kind == "prefill" and seq is not None and self.seqs.get(work.seq_id) is seq:
             self.release(work.seq_id)

@@ -1,6 +1,6 @@
 """TargetWorker: owns the model, its memory pools and its attention backend.
 
-Start-up order is a contract (DESIGN.md §4):
+Start-up order is a contract (docs/architecture.md §7):
   1. __init__                  config + weights. No backend. need_mamba_verify_commit unknown.
   2. alloc_memory_pools()      KV pages (and the recurrent state pool of hybrid models).
   3. init_attention_backends() build the backend; only now decide need_mamba_verify_commit.
@@ -28,7 +28,7 @@ from runtime.models.registry import load_model
 from runtime.tokenizer import tokenizer_fingerprint
 from services.common.errors import NotReady
 from services.target.config import TargetConfig
-from services.target.hooks import TargetHooks
+from services.target.hooks import NO_TARGET_HOOKS, TargetHooks
 
 log = logging.getLogger("dflash.target.worker")
 
@@ -51,7 +51,7 @@ class ModelFacts:
 
 
 class TargetWorker:
-    def __init__(self, config: TargetConfig, hooks: TargetHooks = TargetHooks()) -> None:
+    def __init__(self, config: TargetConfig, hooks: TargetHooks = NO_TARGET_HOOKS) -> None:
         self.config, self.hooks = config, hooks
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
@@ -101,7 +101,7 @@ class TargetWorker:
 
     # -- start-up stages -----------------------------------------------------------------
     @classmethod
-    def started(cls, config: TargetConfig, hooks: TargetHooks = TargetHooks()) -> TargetWorker:
+    def started(cls, config: TargetConfig, hooks: TargetHooks = NO_TARGET_HOOKS) -> TargetWorker:
         """A worker taken through every start-up stage in order (weights, pools, backends,
         ready) on this thread: for benchmarks and in-process tools. The service runs the same
         stages one at a time and reports its health between them."""

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.harness import HookFlags
+from dflash.harness import NO_HOOK_FLAGS, HookFlags
 from dflash.v1 import draft_pb2
 from services.common import tensor_codec
 from support.procs import ServiceProcess, free_port, service_command
@@ -15,7 +15,7 @@ SERVICE = "dflash.v1.Draft"
 
 def start_draft(target_dir: str | Path | None, log_dir: Path, *extra: str,
                 model_dir: str | Path | None = None, wait: bool = True,
-                env: dict[str, str] | None = None, hooks: HookFlags = HookFlags()
+                env: dict[str, str] | None = None, hooks: HookFlags = NO_HOOK_FLAGS
                 ) -> ServiceProcess:
     """target_dir / model_dir None: not passed as flags (e.g. given through DFLASH_* env)."""
     port = free_port()

@@ -14,11 +14,11 @@ from runtime.kv_cache import PageTable
 from runtime.sampling import SamplingConfig
 from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
-from services.target.hooks import TargetHooks
+from services.target.hooks import NO_TARGET_HOOKS, TargetHooks
 from services.target.worker import TargetWorker
 
 
-def loaded_worker(model_dir: str | Path, hooks: TargetHooks = TargetHooks(),
+def loaded_worker(model_dir: str | Path, hooks: TargetHooks = NO_TARGET_HOOKS,
                   **config: Any) -> TargetWorker:
     """A worker past start-up stages 1-3 (weights, pools, backends). Small pages by default, so
     short sequences already span several pages."""

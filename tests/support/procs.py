@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dflash.harness import HookFlags
+from dflash.harness import NO_HOOK_FLAGS, HookFlags
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,13 +84,13 @@ class ServiceProcess:
 
 def service_command(role: str, args: list[str], hooks: HookFlags) -> tuple[str, list[str]]:
     """(module, args) of `python -m`: the service itself, or dflash.harness when hooks are set."""
-    if hooks == HookFlags():
+    if hooks == NO_HOOK_FLAGS:
         return f"services.{role}", args
     return "dflash.harness", [role, *hooks.argv(), "--", *args]
 
 
 def start_target(model_dir: str | Path, log_dir: Path, *extra: str, wait: bool = True,
-                 env: dict[str, str] | None = None, hooks: HookFlags = HookFlags()
+                 env: dict[str, str] | None = None, hooks: HookFlags = NO_HOOK_FLAGS
                  ) -> ServiceProcess:
     port = free_port()
     module, args = service_command("target", ["--model", str(model_dir), "--port", str(port),
