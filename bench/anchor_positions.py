@@ -8,7 +8,11 @@ greedy speculative loop visits from the answer's start (p -> p + a(p) + 1, what 
 on), and one or two such hops from every position (what `--loop-hops 1` / `2` train on). Also
 τ by offset in the answer (16-token buckets), and the first draft's acceptance by how sure the
 target is of its own next token there (and how often a rejected first draft was the target's
-second choice). CPU, fp32 features. Writes JSON to --out."""
+second choice). CPU, fp32 features. Writes JSON to --out.
+
+--tiny (here and in bench.tree_acceptance): --work defaults to a folder of a few greedy SmolLM2
+answers generated on the spot (bench/tiny.py, with train/generate.py), 2 per split, cut to 24
+tokens (a smoke test; --out defaults to a temporary folder)."""
 from __future__ import annotations
 
 import argparse
@@ -163,14 +167,33 @@ def cpu_models(draft_model: str) -> tuple:
 
 
 def add_held_out_args(ap: argparse.ArgumentParser, per_split: int, max_new_tokens: int) -> None:
-    """--work, --draft-model, --per-split, --max-new-tokens, --seed (held_out, cpu_models)."""
-    ap.add_argument("--work", required=True, help="folder with the held-out greedy answers "
-                    "({eval_in,eval_unseen}_t0.0.jsonl, as train-draft writes them)")
+    """--work, --draft-model, --per-split, --max-new-tokens, --seed (held_out, cpu_models);
+    --tiny (tiny_held_out)."""
+    ap.add_argument("--work", help="folder with the held-out greedy answers "
+                    "({eval_in,eval_unseen}_t0.0.jsonl, as train-draft writes them; required "
+                    "but with --tiny)")
     ap.add_argument("--draft-model", default="models/smollm2-135m-instruct-dflash")
     ap.add_argument("--per-split", type=int, default=per_split)
     ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
                     help="cut answers (0 = as generated)")
     ap.add_argument("--seed", type=int, default=0)
+    from bench.tiny import add_tiny_flag
+    add_tiny_flag(ap)
+
+
+def tiny_held_out(ap: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> None:
+    """After parsing add_held_out_args' flags: --work is required but with --tiny, where it
+    defaults to a few greedy answers generated now, 2 per split (and --out goes to a temporary
+    folder unless given)."""
+    from bench.tiny import greedy_answers_work, tiny_outputs
+    if not args.work and not args.tiny:
+        ap.error("the following arguments are required: --work")
+    tiny_outputs(args, ap, name, ("out",))
+    if args.tiny:
+        args.per_split = min(args.per_split, 2)
+        if not args.work:
+            args.work = str(greedy_answers_work(Path(args.out).parent / f"{name}-work",
+                                                per_split=args.per_split))
 
 
 def held_out(work: str, split: str, per_split: int, max_new_tokens: int, seed: int
@@ -187,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     add_held_out_args(ap, per_split=96, max_new_tokens=0)
     ap.add_argument("--out", default="bench/results/drafter_anchor_positions.json")
     args = ap.parse_args(argv)
+    tiny_held_out(ap, args, "anchor_positions")
     draft, head, extractor = cpu_models(args.draft_model)
     t0 = time.monotonic()
     splits = {}
@@ -197,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     out = {"date": str(date.today()), "machine": machine(), "draft_model": args.draft_model,
            "per_split": args.per_split, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
            "seconds": round(time.monotonic() - t0, 1), "splits": splits}
+    if args.tiny:
+        from bench.tiny import tiny_fields
+        out.update(tiny_fields(), work=args.work)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 

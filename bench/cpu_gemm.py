@@ -10,7 +10,9 @@ runtime/threads.py, measured on this machine.
 3. Threads: the same forward on a helper thread, in a fresh process, once with the main thread
    kept serial (runtime/threads.py) and once after the main thread computed with all threads.
 
-Writes bench/results/cpu_gemm.json and the "CPU compute" section of docs/benchmarks.md."""
+Writes bench/results/cpu_gemm.json and the "CPU compute" section of docs/benchmarks.md.
+--tiny: every table at 1 and 4 rows, each weight once (not replicated to 200 MB), a few timed
+calls (a smoke test; --out and --doc default to a temporary folder)."""
 from __future__ import annotations
 
 import argparse
@@ -25,21 +27,23 @@ from pathlib import Path
 import torch
 
 from bench.report import add_output_flags, machine, render_only, save
+from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 
 SECTION = "## CPU compute: GEMM and threads"
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
 ROWS = (1, 2, 3, 4, 6, 8, 16)
 PREFIX = 150
+TINY_ROWS = (1, 4)
 
 
-def gemm_table(rows: tuple[int, ...]) -> dict:
+def gemm_table(rows: tuple[int, ...], weight_bytes: float = 200e6, reps: int = 5) -> dict:
     from runtime.layers import linear as lin
     fns = dict(lin.CPU_GEMMS)
     fns["mkl W·xᵀ"] = lambda x, w, b: (w @ x.t()).t()
     out: dict = {}
     for shape, (n, k) in SHAPES.items():
-        copies = max(1, int(200e6 / (n * k * 4)))
+        copies = max(1, int(weight_bytes / (n * k * 4)))
         weights = [torch.randn(n, k) for _ in range(copies)]
         out[shape] = {}
         for m in rows:
@@ -47,7 +51,7 @@ def gemm_table(rows: tuple[int, ...]) -> dict:
             row = {}
             for name, fn in fns.items():
                 best = min(_time(lambda f=fn, x=x, ws=weights: [f(x, w, None) for w in ws])
-                           for _ in range(5))
+                           for _ in range(reps))
                 us = 1e6 * best / copies
                 row[name] = {"us": round(us, 1), "gb_s": round(n * k * 4 / us / 1e3, 1)}
             out[shape][str(m)] = row
@@ -62,8 +66,9 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _worker():
-    """SmolLM2 fp32 with PREFIX cached tokens: (forward+logits timing function)."""
+def _worker(calls: int = 20, rounds: int = 3):
+    """SmolLM2 fp32 with PREFIX cached tokens: (forward+logits timing function: the best of
+    `rounds` means over `calls` calls)."""
     from dflash.prepare.smollm2 import prepare_smollm2
     from runtime.attention.metadata import SeqSlice
     from runtime.kv_cache import PageTable
@@ -76,7 +81,7 @@ def _worker():
     w.forward([SeqSlice(table, 0, PREFIX)], torch.randint(0, 1000, (PREFIX,)),
               torch.arange(PREFIX), ())
 
-    def ms(q: int, n: int = 20) -> float:
+    def ms(q: int, n: int = calls) -> float:
         ids, pos = torch.randint(0, 1000, (q,)), torch.arange(PREFIX, PREFIX + q)
 
         def once():
@@ -84,13 +89,13 @@ def _worker():
         for _ in range(3):
             once()
         return round(1000 * min(_time(lambda: [once() for _ in range(n)]) / n
-                                for _ in range(3)), 2)
+                                for _ in range(rounds)), 2)
     return ms
 
 
-def forward_table(rows: tuple[int, ...]) -> dict:
+def forward_table(rows: tuple[int, ...], tiny: bool = False) -> dict:
     from runtime.layers import linear as lin
-    ms = _worker()
+    ms = _worker(*((2, 1) if tiny else ()))
     out = {}
     for name in lin.CPU_GEMMS:
         lin.set_cpu_gemm(name)
@@ -100,13 +105,13 @@ def forward_table(rows: tuple[int, ...]) -> dict:
     return out
 
 
-def thread_probe(main_parallel: bool) -> dict:
+def thread_probe(main_parallel: bool, tiny: bool = False) -> dict:
     """In this (fresh) process: the forward timed on a helper thread that computes with all
     threads, after the main thread loaded the model serially or with all threads."""
     from runtime import threads
     if not main_parallel:
         threads.serial()
-    ms = _worker()                      # loads and warms up on the main thread
+    ms = _worker(*((2, 1) if tiny else ()))   # loads and warms up on the main thread
     result: dict = {}
 
     def body():
@@ -118,11 +123,12 @@ def thread_probe(main_parallel: bool) -> dict:
     return result
 
 
-def threads_table() -> dict:
+def threads_table(tiny: bool = False) -> dict:
     out = {}
     for label, flag in (("main thread serial (services)", "serial"),
                         ("main thread computed with all threads", "parallel")):
-        done = subprocess.run([sys.executable, "-m", "bench.cpu_gemm", "--thread-probe", flag],
+        done = subprocess.run([sys.executable, "-m", "bench.cpu_gemm", "--thread-probe", flag,
+                               *(["--tiny"] if tiny else [])],
                               capture_output=True, text=True, check=True)
         out[label] = json.loads(done.stdout.strip().splitlines()[-1])
         print(json.dumps({label: out[label]}), flush=True)
@@ -173,18 +179,23 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.cpu_gemm", description=__doc__.splitlines()[0])
     p.add_argument("--thread-probe", choices=("serial", "parallel"), help=argparse.SUPPRESS)
     add_output_flags(p, "cpu_gemm")
+    add_tiny_flag(p)
     args = p.parse_args(argv)
     if args.thread_probe:
-        print(json.dumps(thread_probe(args.thread_probe == "parallel")))
+        print(json.dumps(thread_probe(args.thread_probe == "parallel", args.tiny)))
         return
+    tiny_outputs(args, p, "cpu_gemm")
     if render_only(args, SECTION, markdown):
         return
     from runtime import threads
     threads.parallel()
+    rows = TINY_ROWS if args.tiny else ROWS
     result = {"machine": machine(), "date": datetime.date.today().isoformat(),
               "command": "python -m bench.cpu_gemm", "shared": args.shared,
-              "gemm": gemm_table(ROWS), "forward": forward_table(ROWS),
-              "threads": threads_table(), "notes": NOTES}
+              **(tiny_fields() if args.tiny else {}),
+              "gemm": gemm_table(rows, *((4e6, 1) if args.tiny else ())),
+              "forward": forward_table(rows, args.tiny),
+              "threads": threads_table(args.tiny), "notes": NOTES}
     save(result, Path(args.out), Path(args.doc), SECTION, markdown)
     print(markdown(result))
 

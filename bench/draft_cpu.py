@@ -9,7 +9,9 @@ Measured through the real DraftEngine (engine thread, paged context KV, batched 
   - the cost of appending 1 000 tokens of features (one Propose of 1 000 rows, block 1: fc +
     hidden_norm + per-layer k/v projection, k_norm, RoPE and the cache store; no block forward).
   - with --grpc (default on): the same Propose (block 16, batch 1) through a real
-    `python -m services.draft` process, client-side round trip including feature encoding."""
+    `python -m services.draft` process, client-side round trip including feature encoding.
+--tiny: a 1-layer random drafter, blocks 4 and 16, batches 1 and 2, a context of 64 tokens,
+appends of 100, 2 timed steps (a smoke test; --out defaults to a temporary folder)."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 from dflash.make_draft import make_random_drafter
 from runtime import threads
 from services.draft.config import DraftConfig
@@ -49,7 +52,8 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 class Bench:
     def __init__(self, draft: Path, target: Path, compute_threads: int,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", context: int = CONTEXT, append: int = APPEND) -> None:
+        self.context, self.append = context, append
         self.config = DraftConfig(target_dir=str(target), model_dir=str(draft), dtype=dtype,
                                   kv_budget_bytes=512 << 20)
         drafter = DFlashDrafter(self.config)
@@ -75,34 +79,36 @@ class Bench:
 
     def propose_latency(self, block: int, batch: int, steps: int) -> dict[str, float]:
         ids = [f"b{block}-{batch}-{i}" for i in range(batch)]
-        self.run([ProposeCall(s, 0, CONTEXT, feats(CONTEXT, self.width, i), [], 1, 1)
+        context = self.context
+        self.run([ProposeCall(s, 0, context, feats(context, self.width, i), [], 1, 1)
                   for i, s in enumerate(ids)])
         step_feats = feats(NEW_ROWS, self.width, 99)
         samples = []
         for k in range(steps + 2):
-            start = CONTEXT + k * NEW_ROWS
+            start = context + k * NEW_ROWS
             seconds = self.run([ProposeCall(s, start, NEW_ROWS, step_feats, [], 7, block)
                                 for s in ids])
             if k >= 2:                                  # two warm-up steps
                 samples.append(seconds)
         for s in ids:
             self.loop.run_until_complete(self.engine.release(s))
-        return {"block": block, "batch": batch, "context": CONTEXT, "new_rows": NEW_ROWS,
+        return {"block": block, "batch": batch, "context": context, "new_rows": NEW_ROWS,
                 **summary(samples)}
 
     def append_cost(self, reps: int) -> dict[str, float]:
-        rows = feats(APPEND, self.width, 5)
+        rows = feats(self.append, self.width, 5)
         samples = []
         for r in range(reps + 1):
-            seconds = self.run([ProposeCall(f"append-{r}", 0, APPEND, rows, [], 1, 1)])
+            seconds = self.run([ProposeCall(f"append-{r}", 0, self.append, rows, [], 1, 1)])
             self.loop.run_until_complete(self.engine.release(f"append-{r}"))
             if r:
                 samples.append(seconds)
         out = summary(samples)
-        return {"tokens": APPEND, **out, "us_per_token": round(out["median_ms"] * 1000 / APPEND, 2)}
+        return {"tokens": self.append, **out,
+                "us_per_token": round(out["median_ms"] * 1000 / self.append, 2)}
 
 
-def grpc_latency(draft: Path, target: Path, steps: int) -> dict[str, float]:
+def grpc_latency(draft: Path, target: Path, steps: int, context: int = CONTEXT) -> dict[str, float]:
     import grpc
 
     from dflash.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -119,13 +125,13 @@ def grpc_latency(draft: Path, target: Path, steps: int) -> dict[str, float]:
                               ["dflash_config"]["target_layer_ids"])
             _wait_serving(f"127.0.0.1:{port}")
             stub.Propose(draft_pb2.ProposeRequest(
-                sequence_id="g", positions=range(CONTEXT),
-                new_features=tensor_codec.encode(feats(CONTEXT, width, 1)), anchor=1,
+                sequence_id="g", positions=range(context),
+                new_features=tensor_codec.encode(feats(context, width, 1)), anchor=1,
                 block_size=1), timeout=60)
             step = feats(NEW_ROWS, width, 2)
             samples = []
             for k in range(steps + 2):
-                start = CONTEXT + k * NEW_ROWS
+                start = context + k * NEW_ROWS
                 t0 = time.perf_counter()
                 stub.Propose(draft_pb2.ProposeRequest(
                     sequence_id="g", positions=range(start, start + NEW_ROWS),
@@ -136,7 +142,7 @@ def grpc_latency(draft: Path, target: Path, steps: int) -> dict[str, float]:
     finally:
         proc.terminate()
         proc.wait(30)
-    return {"block": 16, "batch": 1, "context": CONTEXT, "new_rows": NEW_ROWS, **summary(samples)}
+    return {"block": 16, "batch": 1, "context": context, "new_rows": NEW_ROWS, **summary(samples)}
 
 
 def _free_port() -> int:
@@ -179,21 +185,23 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def drafters(draft_model: str, target: Path, tmp: Path) -> list[tuple[int, Path]]:
-    """(layers, checkpoint dir): --draft-model's, else random ones of each of LAYERS."""
+def drafters(draft_model: str, target: Path, tmp: Path, layers: tuple[int, ...] = LAYERS
+             ) -> list[tuple[int, Path]]:
+    """(layers, checkpoint dir): --draft-model's, else random ones of each of `layers`."""
     if draft_model:
-        layers = json.loads((Path(draft_model) / "config.json").read_text())["num_hidden_layers"]
-        return [(layers, Path(draft_model))]
+        n = json.loads((Path(draft_model) / "config.json").read_text())["num_hidden_layers"]
+        return [(n, Path(draft_model))]
     return [(n, make_random_drafter(target, tmp / f"d{n}", num_layers=n, block_size=16))
-            for n in LAYERS]
+            for n in layers]
 
 
 def measure(result: dict, bench: Bench, tags: dict, args: argparse.Namespace) -> None:
     """Every Propose row and the append row of one drafter in one dtype into result."""
+    blocks, batches = getattr(args, "blocks", BLOCKS), getattr(args, "batches", BATCHES)
     try:
-        bench.propose_latency(max(BLOCKS), max(BATCHES), 2)     # untimed warm-up
-        for block in BLOCKS:
-            for batch in BATCHES:
+        bench.propose_latency(max(blocks), max(batches), 2)     # untimed warm-up
+        for block in blocks:
+            for batch in batches:
                 row = {**tags, **bench.propose_latency(block, batch, args.steps)}
                 result["propose"].append(row)
                 print(json.dumps(row), flush=True)
@@ -214,7 +222,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-grpc", action="store_true", help="skip the gRPC round-trip row")
     p.add_argument("--draft-model", default="", help="this drafter instead of random ones")
     p.add_argument("--dtypes", nargs="+", default=["float32"], help="draft dtypes measured")
+    add_tiny_flag(p)
     args = p.parse_args(argv)
+    tiny_outputs(args, p, "draft_cpu", ("out",))
+    args.blocks, args.batches, layers, context, append = BLOCKS, BATCHES, LAYERS, CONTEXT, APPEND
+    if args.tiny:                       # every row kind, at the smallest sizes
+        args.blocks, args.batches, layers, context, append = (4, 16), (1, 2), (1,), 64, 100
+        args.steps, args.reps = 2, 1
     threads.serial()            # only the engine thread computes in parallel (runtime.threads)
     from dflash.prepare.smollm2 import prepare_smollm2
     target = prepare_smollm2(["float32"], progress=False)["float32"]
@@ -224,13 +238,15 @@ def main(argv: list[str] | None = None) -> None:
                     "draft_model": args.draft_model or "random",
                     "feature_dtype": "bfloat16", "load_average_before": os.getloadavg(),
                     "propose": [], "append": []}
+    if args.tiny:
+        result.update(tiny_fields())
     with tempfile.TemporaryDirectory() as tmp:
-        for layers, draft in drafters(args.draft_model, target, Path(tmp)):
+        for n, draft in drafters(args.draft_model, target, Path(tmp), layers):
             for dtype in args.dtypes:
-                measure(result, Bench(draft, target, args.threads, dtype),
-                        {"layers": layers, "dtype": dtype}, args)
-            if layers == 1 and not args.no_grpc:
-                row = {"layers": 1, **grpc_latency(draft, target, args.steps)}
+                measure(result, Bench(draft, target, args.threads, dtype, context, append),
+                        {"layers": n, "dtype": dtype}, args)
+            if n == 1 and not args.no_grpc:
+                row = {"layers": 1, **grpc_latency(draft, target, args.steps, context)}
                 result["grpc"] = [row]
                 print(json.dumps(row), flush=True)
     result["load_average_after"] = os.getloadavg()

@@ -6,7 +6,8 @@ Per configuration: tokens/s (prefill included), tau (committed tokens per verify
 step's parts from the services' own metrics (Verify and Propose handler times). Every output
 is checked token-identical to the stack without a drafter. Writes bench/results/drafter_cpu.json.
 In-process engines are not used here: two engine threads in one process each open an OpenMP
-pool, which slows both (runtime/threads.py)."""
+pool, which slows both (runtime/threads.py). --tiny: one prompt, 8 tokens, block 4 against no
+drafter (a smoke test; --out defaults to a temporary folder)."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from bench.gateway_cpu import Services, grpc_generate, step_breakdown
 from bench.report import machine
+from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 
 
 def run_config(drafter: str, block: int, draft_model: str, prompts: list[list[int]],
@@ -48,14 +50,18 @@ def run_config(drafter: str, block: int, draft_model: str, prompts: list[list[in
             "outputs": outputs}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=8, help="eval_in prompts (seeded sample)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--blocks", type=int, nargs="+", default=[2, 3, 4, 6, 8, 16])
     ap.add_argument("--draft-model", default="models/smollm2-135m-instruct-dflash")
     ap.add_argument("--out", default="bench/results/drafter_cpu.json")
-    args = ap.parse_args()
+    add_tiny_flag(ap)
+    args = ap.parse_args(argv)
+    tiny_outputs(args, ap, "drafter_cpu", ("out",))
+    if args.tiny:
+        args.prompts, args.max_new_tokens, args.blocks = 1, 8, [4]
     from dflash.prepare.smollm2 import prepare_smollm2
     from runtime.tokenizer import ChatTokenizer
     from train.generate import chat_prompt_ids
@@ -78,6 +84,9 @@ def main() -> None:
     result = {"date": str(date.today()), "machine": machine(),
               "command": "python -m bench.drafter_cpu", "draft_model": args.draft_model,
               "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "rows": rows}
+    if args.tiny:
+        result.update(tiny_fields())
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

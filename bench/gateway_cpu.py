@@ -18,7 +18,10 @@
    prompt); the stack's output is checked token-identical to transformers' greedy.
 
 Results: bench/results/gateway_cpu.json and the "Gateway / end to end (CPU)" section of
-docs/benchmarks.md. On a shared machine pass --shared: the numbers are then upper bounds."""
+docs/benchmarks.md. On a shared machine pass --shared: the numbers are then upper bounds.
+--tiny: the same parts at concurrency 1 and 2, 8 tokens, one chat and one copy prompt, one
+round, only the default drafter's stack (a smoke test; --out and --doc default to a temporary
+folder)."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +40,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.report import machine, save, write_section
+from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SECTION = "## Gateway / end to end (CPU)"
@@ -310,14 +314,14 @@ def aggregate(runs: list[dict], kinds: list[str]) -> dict:
 
 
 def end_to_end(model_dir: Path, drafters: list[str], max_tokens: int, log_dir: Path,
-               rounds: int = 3) -> dict:
+               rounds: int = 3, chats: list[str] = CHATS, copies: list[str] = COPY_TASKS) -> dict:
     """Every system up at once; each prompt runs on every system in turn (the order rotated
     from prompt to prompt), `rounds` times; a prompt's time on a system is the median of its
     rounds, so a slow spell of a shared machine hits all systems alike and is voted out."""
     from runtime.tokenizer import ChatTokenizer
     tok = ChatTokenizer(model_dir)
-    texts = CHATS + COPY_TASKS
-    kinds = ["chat"] * len(CHATS) + ["copy"] * len(COPY_TASKS)
+    texts = list(chats) + list(copies)
+    kinds = ["chat"] * len(chats) + ["copy"] * len(copies)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
     systems: dict = dict(stack_system(d, log_dir) for d in drafters)
     systems["transformers generate"] = TransformersGenerate(model_dir)
@@ -401,10 +405,12 @@ def markdown(r: dict) -> str:
                      f"{row['overhead_ms']:.1f} | {row['overhead_pct']:.1f} | "
                      f"{row['tokens_per_s']:.1f} |")
     e = r["end_to_end"]
+    kinds = e.get("kinds") or ["chat"] * len(CHATS) + ["copy"] * len(COPY_TASKS)
     lines += ["", (f"**End to end**, one request at a time, greedy, up to {e['max_tokens']} new "
                   f"tokens, prefill included (`dflash up` through its OpenAI HTTP API, streamed; "
-                  f"transformers `generate` in one process). Chat: {len(CHATS)} open questions; "
-                  f"copy: {len(COPY_TASKS)} tasks whose answers repeat the prompt.{rounds_text(e)}"),
+                  f"transformers `generate` in one process). Chat: {kinds.count('chat')} open "
+                  f"questions; copy: {kinds.count('copy')} tasks whose answers repeat the "
+                  f"prompt.{rounds_text(e)}"),
               "",
               ("| system | tokens/s chat | tokens/s copy | tokens/s all | mean acceptance length "
               "| identical to transformers greedy |"), "|---|---|---|---|---|---|"]
@@ -457,29 +463,42 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="bench/results/gateway_cpu.json")
     p.add_argument("--doc", default="docs/benchmarks.md")
     p.add_argument("--render-only", action="store_true", help="rewrite the doc from --out")
+    add_tiny_flag(p)
     args = p.parse_args(argv)
+    from dflash.stack import DEFAULT_DRAFTER
     if args.e2e_rounds < 1:
         p.error(f"--e2e-rounds {args.e2e_rounds}: give at least 1 round")
+    tiny_outputs(args, p, "gateway_cpu")
+    levels, chats, copies = LEVELS, CHATS, COPY_TASKS
+    if args.tiny:                       # every part, at the smallest size that runs it
+        levels, chats, copies = (1, 2), CHATS[:1], COPY_TASKS[:1]
+        args.overhead_max_tokens, args.min_requests = 8, 2
+        args.e2e_max_tokens, args.e2e_rounds = 8, 1
+        args.e2e_drafters = args.e2e_drafters or [DEFAULT_DRAFTER]
+        if args.overhead_drafters == p.get_default("overhead_drafters"):
+            args.overhead_drafters = [DEFAULT_DRAFTER]  # none: bench.spec_load_cpu --tiny
     if args.render_only:
         write_section(Path(args.doc), SECTION, markdown(json.loads(Path(args.out).read_text())))
         return
     from dflash.prepare.smollm2 import prepare_smollm2
-    from dflash.stack import DEFAULT_DRAFTER
     from runtime.tokenizer import ChatTokenizer
     model_dir = prepare_smollm2(["float32"], progress=False)["float32"]
     tok = ChatTokenizer(model_dir)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))
-               for t in CHATS + COPY_TASKS]
+               for t in chats + copies]
     result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
                     "command": "python -m bench.gateway_cpu " + " ".join(argv or sys.argv[1:]),
                     "shared": args.shared, "overhead_max_tokens": args.overhead_max_tokens,
                     "overhead": []}
+    if args.tiny:
+        result.update(tiny_fields())
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         for drafter in args.overhead_drafters:
             result["overhead"] += overhead(drafter, prompts, args.overhead_max_tokens,
-                                           args.min_requests, Path(tmp))
+                                           args.min_requests, Path(tmp), levels)
         result["end_to_end"] = end_to_end(model_dir, args.e2e_drafters or [DEFAULT_DRAFTER, "none"],
-                                          args.e2e_max_tokens, Path(tmp), args.e2e_rounds)
+                                          args.e2e_max_tokens, Path(tmp), args.e2e_rounds,
+                                          chats, copies)
     save(result, Path(args.out), Path(args.doc), SECTION, markdown)
     print(markdown(result))
 

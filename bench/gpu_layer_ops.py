@@ -17,7 +17,9 @@ decode step pays. `per_step` adds (torch - triton) graph time over one layer's o
 (random weights, attention replaced by a cheap stub) with the kernels on and off.
 
 --device cpu is a smoke test: small sizes, the kernels through Triton's interpreter, accuracy
-only (no timing). Prints the JSON and writes it to --out; exits 1 if an op is not close."""
+only (no timing). --tiny is that smoke test with its JSON marked `"tiny": true` and --out
+defaulting to a temporary folder. Prints the JSON and writes it to --out; exits 1 if an op is
+not close."""
 from __future__ import annotations
 
 import argparse
@@ -44,7 +46,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("gpu_layer_ops.json"))
     p.add_argument("--tokens", default=None, help="comma-separated T (default 1,16,512; cpu 1,5)")
     p.add_argument("--decoder", action="store_true", help="also time a whole decoder forward")
-    return p.parse_args(argv)
+    from bench.tiny import add_tiny_flag, tiny_outputs
+    add_tiny_flag(p)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.device = "cpu"
+    tiny_outputs(args, p, "gpu_layer_ops", ("out",))
+    return args
 
 
 # -- the ops: (triton, torch) callables over the same inputs -----------------------------------
@@ -213,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.decoder and args.device == "cuda":
         report["decoder"] = {t: decoder_step_ms(s, t) for t in tokens if t <= 64}
     report["ok"] = all(row["ok"] for row in report["ops"])
+    if args.tiny:
+        from bench.tiny import NO_CUDA, tiny_fields
+        report.update(tiny_fields({
+            "timing": NO_CUDA + " (CUDA events, CUDA graphs): accuracy only",
+            "decoder": NO_CUDA + " (a whole decoder forward in a CUDA graph)",
+            "kernels": "through Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors"}))
     text = json.dumps(report, indent=2)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

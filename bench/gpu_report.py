@@ -127,19 +127,24 @@ def markdown(sbs: dict, tf: dict, micro: dict, layer_ops: dict, png: str) -> str
               "transformers rows came from a second invocation with `--parts transformers`). "
               "Qwen3-8B-shaped target (36 layers, hidden 4096, 32/8 heads, head_dim 128, FFN "
               "12288, vocab 151 936) and a DFlash-shaped drafter (5 layers, taps 1, 9, 17, 25, "
-              "33, block 16), **random bf16 weights** (`DFLASH_BENCH_RANDOM_WEIGHTS=1`). "
+              "33, block 16), **random bf16 weights** (the benchmark hook `random_weights`; then "
+              "the environment switch `DFLASH_BENCH_RANDOM_WEIGHTS=1`, since replaced by "
+              "`dflash/harness.py`). "
               f"Requests: {setup['prompt_tokens']}-token prompts, {setup['max_tokens']} output "
               "tokens each, greedy, `ignore_eos`; concurrency c = requests in flight (at least 4 "
               "requests per level). Target: triton backend, CUDA graphs for B = 1 and B = 16 at "
               "batch buckets 1..32; draft: CUDA graphs for its context append and its block. "
-              "**Acceptance is FORCED** (`DFLASH_BENCH_FORCE_TAU`, a benchmark-only environment "
-              "switch the target logs loudly): every speculative row is at the forced τ in its "
+              "**Acceptance is FORCED** (then the environment switch `DFLASH_BENCH_FORCE_TAU`; "
+              "now the benchmark hook `TargetHooks.forced_acceptance`, set only through "
+              "`dflash/harness.py`, which logs it loudly): every speculative row is at the forced "
+              "τ in its "
               "row (measured committed tokens per step: 6.28–6.36 and 3.0; short of 6.4 only "
               "where the last block of a request is cut by max_tokens)."), "",
              "![side by side](img/gpu_side_by_side.png)", "",
              "Output tokens/s:", ""]
     lines += throughput_table(rows, floor)
-    lines += ["",
+    lines += ["", ("JSON: `bench/results/gpu/side_by_side_h200.json` (rows a, c, d) and "
+                   "`bench/results/gpu/side_by_side_h200_transformers.json` (rows b)."), "",
               ("Per-step split: for (d) from the gateway's stage timings and the services' "
                "handler times on their `/metrics` (draft = Propose handler, verify = Verify "
                "handler — both include their engine queue — and the rest, wire + gateway, is "
@@ -153,7 +158,9 @@ def markdown(sbs: dict, tf: dict, micro: dict, layer_ops: dict, png: str) -> str
                f"allows {6.4 * 1000 / floor['floor_ms_per_step']:,.0f} tokens/s at c = 1."), "",
               "**Time to first token** (c = 1; in-process vs through the services):", ""]
     lines += ttft_lines(sbs)
-    lines += ["", "**Readiness on the GPU path** (health transitions the benchmark recorded "
+    lines += ["", ("JSON: `bench/results/gpu/side_by_side_h200.json` (the readiness list below "
+                   "too)."), "",
+              "**Readiness on the GPU path** (health transitions the benchmark recorded "
               "from process start; warm-up = Triton JIT + CUDA-graph capture, readiness waits for "
               "it):", ""]
     lines += health_lines(sbs)
@@ -194,7 +201,8 @@ drafter) answers in about the in-process time."""
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--doc", default="docs/benchmarks.md")
-    ap.add_argument("--png", default="docs/img/gpu_side_by_side.png")
+    ap.add_argument("--png", "--out", dest="png", default="docs/img/gpu_side_by_side.png",
+                    help="the plot written (--out: the same)")
     args = ap.parse_args(argv)
     sbs = load("gpu/side_by_side_h200.json")
     tf = load("gpu/side_by_side_h200_transformers.json")

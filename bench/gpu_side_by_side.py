@@ -16,9 +16,12 @@ Acceptance with random weights is near zero, so the target accepts a FORCED numb
 reported beside the forced tau (6.4 and 3). Health transitions of both services are recorded
 from start to SERVING (warm-up includes kernel JIT and CUDA-graph capture).
 
-Writes OUT/gpu_side_by_side.json incrementally (a timeout keeps what was measured), a PNG plot,
-and, with --doc, the section of docs/benchmarks.md. --tiny runs a small shape on CPU (a smoke
-test of the whole command)."""
+Writes OUT/gpu_side_by_side.json incrementally (a timeout keeps what was measured) and a PNG
+plot (bench.gpu_report renders the section of docs/benchmarks.md from the JSON). --tiny runs
+every part at a small shape on the CPU (fp32, torch attention backend, no CUDA graphs; forced tau
+6.4 only, concurrency 1 and 2, the gateway at the GPU's settings: block 16, drafting at every
+load), --out defaulting to a temporary folder, and exits 1 if a part failed (a smoke test of the
+whole command)."""
 from __future__ import annotations
 
 import argparse
@@ -44,12 +47,16 @@ from bench.h200_micro import (
     guarded,
     write_model_dirs,
 )
+from bench.tiny import NO_CUDA, tiny_fields, tiny_outputs
 from dflash.harness import ForcedAcceptance, HookFlags
 
 TAUS = (6.4, 3.0)
 LEVELS = (1, 8, 32)
 WIRES = ("unary", "stream")
 TTFT_PROMPT = 1000
+TINY_SKIPPED = {"cuda_graphs": NO_CUDA + ": the target and the draft run eagerly, and the draft "
+                               "graph check compares the eager path with itself",
+                "bf16": "fp32 on the CPU", "triton": "torch attention backend on the CPU"}
 
 
 # -- shapes and the bandwidth floor ---------------------------------------------------------
@@ -131,7 +138,10 @@ class GpuStack:
             draft_args=("--kv-budget", args.draft_kv, "--token-budget", "8192"),
             gateway_args=("--wire", WIRES[0], "--max-message-mib", "512"),
             target_hooks=HookFlags(random_weights=True, force_tau=tau or 0.0),
-            draft_hooks=HookFlags(random_weights=True))
+            draft_hooks=HookFlags(random_weights=True),
+            # --tiny on the CPU: the GPU's gateway settings (the drafter's block of 16, drafting
+            # at every load), not the launcher's CPU defaults (a block of 4, no drafts above 1)
+            **({"block_size": 16, "spec_disable_batch_size": 0} if args.tiny else {}))
         self.stack = Stack(self.opts)
         self.gateways = {WIRES[0]: (self.opts.port, self.opts.http_port)}
 
@@ -284,6 +294,8 @@ def draft_graph_check(drafter, ctx: int = 40, batch: int = 3) -> dict:
 
 
 def _drafts(drafter, name: str, ctx: int, batch: int, graphed: bool) -> list[list[int]]:
+    """Each sequence's draft tokens for one block, through propose() (which replays the captured
+    graphs where there are some) or run() (eager); both return DraftTree objects."""
     from services.draft.drafter import ProposeItem
     from services.draft.sequence import DraftSequence
     saved = drafter._append_graphs
@@ -304,7 +316,7 @@ def _drafts(drafter, name: str, ctx: int, batch: int, graphed: bool) -> list[lis
                           anchor=7 + i, block_size=16) for i, s in enumerate(seqs)]
     for it in blocks:
         drafter.reserve(it)
-    out = drafter.propose(blocks) if graphed else drafter.run(blocks).drafts
+    out = [t.tokens for t in drafter.propose(blocks)] if graphed else drafter.run(blocks).drafts
     for s in seqs:
         drafter.release(s)
     drafter._append_graphs = saved
@@ -419,13 +431,15 @@ def plot(data: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="small shape on CPU (smoke test)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="small shape on CPU (smoke test; --out defaults to a temporary folder)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_side_by_side"))
     ap.add_argument("--parts", nargs="*", default=["services", "inproc", "transformers"])
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--transformers-budget-s", type=float, default=240)
     args = ap.parse_args(argv)
+    tiny_outputs(args, ap, "gpu_side_by_side", ("out",))
     args.device = "cpu" if args.tiny else "cuda"
     args.dtype = "float32" if args.tiny else "bfloat16"
     args.backend = "torch" if args.tiny else "triton"
@@ -440,16 +454,21 @@ def main(argv: list[str] | None = None) -> None:
     max_tokens = 24 if args.tiny else args.max_tokens
     prompt_len = 16 if args.tiny else args.prompt_len
     ttft_len = 64 if args.tiny else TTFT_PROMPT
-    tdir, ddir = write_model_dirs(Path("/tmp/gpu_side_by_side_models"), shape, taps)
+    tdir, ddir = write_model_dirs(out / "models" if args.tiny
+                                  else Path("/tmp/gpu_side_by_side_models"), shape, taps)
     _tokenizer_into(tdir)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 500, (prompt_len,), generator=g).tolist() for _ in range(64)]
     ttft_prompt = torch.randint(0, 500, (ttft_len,), generator=g).tolist()
     rec.put("device", torch.cuda.get_device_name() if args.device == "cuda" else "cpu (--tiny)")
+    if args.tiny:
+        for key, value in tiny_fields(TINY_SKIPPED).items():
+            rec.put(key, value)
+    taus = TAUS[:1] if args.tiny else TAUS      # --tiny: one forced tau (the same path)
     rec.put("setup", {"target": "Qwen3-8B shape, random bf16" if not args.tiny else "tiny",
                       "drafter": f"DFlash 5 layers, taps {taps}, block 16",
                       "prompt_tokens": prompt_len, "max_tokens": max_tokens,
-                      "forced_tau": list(TAUS),
+                      "forced_tau": list(taus),
                       "hooks": ["random_weights", "forced_acceptance"]})
     bw = copy_bandwidth(args.device)
     wb = weight_bytes(shape, 5, len(taps))
@@ -469,16 +488,18 @@ def main(argv: list[str] | None = None) -> None:
     if "services" in args.parts:
         guarded(rec, "services_ar", lambda: _stack_part(tdir, None, args, out, taps, None, prompts,
                                                         max_tokens, levels, ttft_prompt, keep))
-        for tau in TAUS:
+        for tau in taus:
             guarded(rec, f"services_tau{tau:g}",
                     lambda tau=tau: _stack_part(tdir, ddir, args, out, taps, tau, prompts,
                                                 max_tokens, levels, ttft_prompt, keep))
     if "inproc" in args.parts:
-        for tau in TAUS:
+        for tau in taus:
             def run_inproc(tau=tau):
                 res = inprocess(tdir, ddir, args, prompts, max_tokens, tau, levels,
                                 ttft_prompt if tau == TAUS[0] else None)
                 keep(res["rows"])
+                if "draft_graph_check" in res:      # was printed only: kept in the JSON now
+                    rec.put(f"inproc_tau{tau:g}_draft_graph_check", res["draft_graph_check"])
                 return res.get("ttft")
             guarded(rec, f"inproc_tau{tau:g}_ttft", run_inproc)
     if "transformers" in args.parts:
@@ -487,6 +508,9 @@ def main(argv: list[str] | None = None) -> None:
                                                                     max_tokens, levels)) or "done")
     plot({**rec.data, "rows": rows}, out / "gpu_side_by_side.png")
     print("wrote", out, flush=True)
+    failed = sorted(k for k in rec.data if k.endswith("_error"))
+    if args.tiny and failed:            # a smoke test fails loudly; a GPU run keeps its parts
+        raise SystemExit(f"--tiny: parts failed: {failed}")
 
 
 def _stack_part(tdir, ddir, args, out, taps, tau, prompts, max_tokens, levels, ttft_prompt,
@@ -510,9 +534,10 @@ def _stack_part(tdir, ddir, args, out, taps, tau, prompts, max_tokens, levels, t
 def _tokenizer_into(tdir: Path) -> None:
     """The gateway needs a tokenizer.json to start; token ids travel as ids (random weights
     produce ids it may not decode: text is irrelevant here). SmolLM2's, where it is found."""
+    from runtime.home import models_home
     for candidate in (Path(os.environ.get("DFLASH_BENCH_TOKENIZER", "")),
                       Path(".gpu_tok"),
-                      Path.home() / ".cache/dflash/models/smollm2-135m-instruct/float32"):
+                      models_home() / "models/smollm2-135m-instruct/float32"):
         if (candidate / "tokenizer.json").is_file():
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 if (candidate / name).is_file():

@@ -6,7 +6,8 @@ through TargetWorker.forward as the target engine does: a prompt is prefilled on
 block of B tokens (B = 1, 8, 16) is timed for batches of 1 and 4 sequences - for the hybrid
 model the forward keeps B intermediate states and the commit copies one back; for the dense
 model rejected KV pages are trimmed. Memory: the state pool (live + B intermediate states per
-sequence) next to the KV cache per token."""
+sequence) next to the KV cache per token. --tiny: blocks 1 and 4, batches 1 and 2, 32 prompt
+tokens, 2 repeats (a smoke test; --out defaults to a temporary folder)."""
 from __future__ import annotations
 
 import argparse
@@ -140,18 +141,19 @@ def memory(worker: TargetWorker) -> dict[str, int]:
     return out
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, blocks: tuple[int, ...] = BLOCKS,
+        batches: tuple[int, ...] = BATCHES) -> dict:
     torch.set_num_threads(args.threads)
     results, models = [], {}
     pool_bytes: dict[int, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         dirs = write_models(Path(tmp))
-        for block in BLOCKS:
-            workers = {name: load(path, slots=max(BATCHES), max_block=block)
+        for block in blocks:
+            workers = {name: load(path, slots=max(batches), max_block=block)
                        for name, path in dirs.items()}
             models = {name: memory(w) for name, w in workers.items()}
             pool_bytes[block] = workers["hybrid"].state_pool.nbytes
-            for batch in BATCHES:
+            for batch in batches:
                 for name, t in time_pair(workers, batch, block, args.prompt_len,
                                          args.repeats).items():
                     results.append({
@@ -161,7 +163,7 @@ def run(args: argparse.Namespace) -> dict:
                         "p90_ms": round(1e3 * sorted(t)[int(0.9 * (len(t) - 1))], 3),
                         "tokens_per_s": round(batch * block / statistics.median(t), 1)})
                     print(json.dumps(results[-1]), flush=True)
-    models["hybrid"][f"state_pool_bytes_{max(BATCHES)}_slots_by_block"] = pool_bytes
+    models["hybrid"][f"state_pool_bytes_{max(batches)}_slots_by_block"] = pool_bytes
     return {"machine": {"cpu": platform.processor() or platform.machine(),
                         "cpus": torch.get_num_threads(), "torch": torch.__version__},
             "setup": {"hidden": HIDDEN, "layers": LAYERS, "prompt_len": args.prompt_len,
@@ -173,17 +175,19 @@ def run(args: argparse.Namespace) -> dict:
 def markdown(report: dict) -> str:
     """The docs/benchmarks.md tables of a report."""
     rows = {(r["model"], r["block"], r["batch"]): r for r in report["verify"]}
+    blocks = sorted({r["block"] for r in report["verify"]})      # BLOCKS, BATCHES but --tiny
+    batches = sorted({r["batch"] for r in report["verify"]})
     lines = [("| block B | batch | hybrid ms (median / min) | dense ms (median / min) "
               "| hybrid / dense |"), "|---|---|---|---|---|"]
-    for block in BLOCKS:
-        for batch in BATCHES:
+    for block in blocks:
+        for batch in batches:
             h, d = rows[("hybrid", block, batch)], rows[("dense", block, batch)]
             lines.append(f"| {block} | {batch} | {h['median_ms']:.1f} / {h['min_ms']:.1f} | "
                          f"{d['median_ms']:.1f} / {d['min_ms']:.1f} | "
                          f"{h['median_ms'] / d['median_ms']:.2f} |")
     m = report["models"]
     hyb, den = m["hybrid"], m["dense"]
-    pools = hyb[f"state_pool_bytes_{max(BATCHES)}_slots_by_block"]
+    pools = hyb[f"state_pool_bytes_{max(batches)}_slots_by_block"]
     live = hyb["state_bytes_per_sequence_live"] / 2**20
     lines += ["", "| memory | hybrid | dense |", "|---|---|---|",
               f"| parameters | {hyb['params'] / 1e6:.2f} M | {den['params'] / 1e6:.2f} M |",
@@ -194,7 +198,7 @@ def markdown(report: dict) -> str:
               (f"| live state per sequence | {live:.2f} MiB (= KV of "
                f"{hyb['kv_tokens_equivalent_of_live_state']} tokens) | 0 |")]
     for block, size in pools.items():
-        lines.append(f"| state pool, {max(BATCHES)} slots, B = {block} | "
+        lines.append(f"| state pool, {max(batches)} slots, B = {block} | "
                      f"{int(size) / 2**20:.1f} MiB | 0 |")
     return "\n".join(lines)
 
@@ -205,8 +209,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=20)
+    from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
+    add_tiny_flag(p)
     args = p.parse_args(argv)
-    report = run(args)
+    tiny_outputs(args, p, "hybrid_cpu", ("out",))
+    if args.tiny:
+        args.prompt_len, args.repeats = 32, 2
+        report = {**run(args, (1, 4), (1, 2)), **tiny_fields()}
+    else:
+        report = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

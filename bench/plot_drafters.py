@@ -1,8 +1,9 @@
 """python -m bench.plot_drafters: held-out acceptance length during training of every SmolLM2
 drafter trained so far (from their training.json), against the training blocks seen, and the
-final simulated tau per held-out split. Writes docs/img/drafter_training.png."""
+final simulated tau per held-out split. Writes docs/img/drafter_training.png (--out: elsewhere)."""
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -89,5 +90,12 @@ def main(out: str = "docs/img/drafter_training.png") -> None:
     print(out)
 
 
+def cli(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.plot_drafters",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="docs/img/drafter_training.png", help="the PNG written")
+    main(p.parse_args(argv).out)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -7,7 +7,10 @@ a time, streamed through the OpenAI API, prefill included. Prompts: the first N 
 split (chat template). Whether each system's output equals transformers' greedy is reported
 (bf16 kernels differ, so a near-tie can flip a token; the CPU fp32 runs in CI check identity).
 
-Writes OUT/smollm2_gpu.json; the table goes into docs/benchmarks.md with --doc."""
+Writes OUT/smollm2_gpu.json; the table goes into docs/benchmarks.md with --doc.
+
+--tiny: the same on the CPU (fp32, torch attention backend, so no CUDA graphs), one prompt per
+split and 8 tokens; --out defaults to a temporary folder."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 
 from bench.gateway_cpu import Services, grpc_generate, system_options, transformers_run
+from bench.tiny import NO_CUDA, add_tiny_flag, tiny_fields, tiny_outputs
 
 
 def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir: Path,
@@ -78,7 +82,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-transformers", action="store_true",
                     help="only our two stacks (e.g. to rerun them with another drafter)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp") + "/smollm2_gpu.json")
+    add_tiny_flag(ap)
     args = ap.parse_args(argv)
+    tiny_outputs(args, ap, "smollm2_gpu", ("out",))
+    if args.tiny:                       # the CPU, one prompt per split, a few tokens
+        args.device, args.dtype, args.backend = "cpu", "float32", "torch"
+        args.per_split, args.max_tokens = 1, 8
     from dflash.prepare.smollm2 import prepare_smollm2
     from runtime.tokenizer import ChatTokenizer
     model_dir = prepare_smollm2([args.dtype], progress=False)[args.dtype]
@@ -87,9 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
     result: dict = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "backend": args.backend,
                     "max_tokens": args.max_tokens, "prompts": len(ids), "systems": {}}
+    if args.tiny:
+        result.update(tiny_fields({"cuda_graphs": NO_CUDA, "triton": NO_CUDA + " (torch backend)",
+                                   "bf16": "fp32 on the CPU"}))
     options = dict(device=args.device, dtype=args.dtype, attention_backend=args.backend,
                    model_dir=str(model_dir))
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-smollm2-") as tmp:
         for spec in args.systems:
             label, drafter, more = system_options(spec)

@@ -3,7 +3,9 @@ grow. The stack as `dflash up` runs it (target, draft, gateway processes), reque
 gateway's gRPC API (greedy, fixed length), at several concurrency levels, for: the DFlash
 drafter drafting at every load (--spec-disable-batch-size 0), the stack's default (drafting
 stops above CPU_SPEC_DISABLE_BATCH running requests) and no drafter. Writes
-bench/results/spec_load_cpu.json and its section of docs/benchmarks.md."""
+bench/results/spec_load_cpu.json and its section of docs/benchmarks.md. --tiny: every
+configuration but the default's (the same path with another flag) at 1 and 2 requests at once,
+8 tokens each (a smoke test; --out and --doc default to a temporary folder)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from bench.gateway_cpu import CHATS, COPY_TASKS, overhead
 from bench.report import add_output_flags, machine, render_only, save
+from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 
 SECTION = "## Speculation under load (CPU)"
 LEVELS = (1, 2, 3, 4, 8)
@@ -53,9 +56,14 @@ def main(argv: list[str] | None = None) -> None:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=64)
     add_output_flags(p, "spec_load_cpu")
+    add_tiny_flag(p)
     args = p.parse_args(argv)
+    tiny_outputs(args, p, "spec_load_cpu")
     if render_only(args, SECTION, markdown):
         return
+    levels, min_requests = ((1, 2), 2) if args.tiny else (LEVELS, 6)
+    if args.tiny:
+        args.max_tokens = 8
     from dflash.prepare.smollm2 import prepare_smollm2
     from dflash.stack import CPU_SPEC_DISABLE_BATCH
     from runtime.tokenizer import ChatTokenizer
@@ -64,12 +72,15 @@ def main(argv: list[str] | None = None) -> None:
                for t in CHATS + COPY_TASKS]
     result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
                     "command": "python -m bench.spec_load_cpu " + " ".join(argv or sys.argv[1:]),
-                    "max_tokens": args.max_tokens, "levels": list(LEVELS),
+                    "max_tokens": args.max_tokens, "levels": list(levels),
                     "cpu_spec_disable_batch": CPU_SPEC_DISABLE_BATCH, "configs": {}}
+    if args.tiny:
+        result.update(tiny_fields())
+    configs = {k: v for k, v in CONFIGS.items() if not (args.tiny and "default" in k)}
     with tempfile.TemporaryDirectory(prefix="bench-spec-load-") as tmp:
-        for label, (drafter, limit) in CONFIGS.items():
-            result["configs"][label] = overhead(drafter, prompts, args.max_tokens, 6,
-                                                Path(tmp) / label.split(",")[0], LEVELS,
+        for label, (drafter, limit) in configs.items():
+            result["configs"][label] = overhead(drafter, prompts, args.max_tokens, min_requests,
+                                                Path(tmp) / label.split(",")[0], levels,
                                                 spec_disable_batch_size=limit)
     save(result, Path(args.out), Path(args.doc), SECTION, markdown)
     print(markdown(result))

@@ -13,7 +13,9 @@ Measured through the real TargetEngine in this process (engine thread, paged KV,
     ones (DynamicCache, cropped back), timed in the same rounds: a same-load comparison.
   - unless --no-grpc: Verify of 1 and 16 tokens through a real `python -m services.target`
     on loopback, client-side round trip; there the context grows by about one token per call.
-Writes JSON (--out) and the "Target service (CPU)" section of docs/benchmarks.md (--doc)."""
+Writes JSON (--out) and the "Target service (CPU)" section of docs/benchmarks.md (--doc).
+--tiny: every part with 2 repeats and prefills of 64 and 256 tokens (a smoke test; --out and
+--doc default to a temporary folder)."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +35,7 @@ from typing import TypeVar
 import torch
 
 from bench.report import machine, save
+from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 from runtime import threads as compute_threads
 from runtime.sampling import SamplingConfig
 from services.target.config import TargetConfig
@@ -190,6 +193,7 @@ class EngineBench:
         return samples
 
     def prefill(self, n: int, repeats: int) -> dict:
+        """Median over `repeats` prefills of n tokens (after one warm-up)."""
         out = summary(asyncio.run(self._prefill_samples(n, repeats)))
         return {"tokens": n, **out, "tokens_per_s": round(n / (out["median_ms"] / 1000), 1)}
 
@@ -285,7 +289,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shared", action="store_true", help="note in the doc that others used the CPU")
     p.add_argument("--out", default="bench/results/target_cpu.json")
     p.add_argument("--doc", default="docs/benchmarks.md")
+    add_tiny_flag(p)
     args = p.parse_args(argv)
+    tiny_outputs(args, p, "target_cpu")
+    prefill_lengths, prefill_repeats = PREFILL_LENGTHS, max(3, args.repeats // 5)
+    if args.tiny:
+        args.repeats = 2
+        prefill_lengths, prefill_repeats = PREFILL_LENGTHS[:2], 1
     compute_threads.serial()        # the engine thread computes (with --threads), nothing else
     if args.model:
         model_dir = Path(args.model)
@@ -296,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
                     "date": datetime.date.today().isoformat(), "repeats": args.repeats,
                     "command": "python -m bench.target_cpu " + " ".join(argv or sys.argv[1:]),
                     "model": str(model_dir), "shared": args.shared, "hf_anchor_ms": HF_ANCHOR_MS}
+    if args.tiny:
+        result.update(tiny_fields())
     reference = None if args.no_transformers else TransformersReference(model_dir)
     bench = EngineBench(model_dir, args.threads, reference)
     try:
@@ -303,8 +315,8 @@ def main(argv: list[str] | None = None) -> None:
         for row in result["verify"]:
             print(json.dumps(row), flush=True)
         result["prefill"] = []
-        for n in PREFILL_LENGTHS:
-            result["prefill"].append(bench.prefill(n, max(3, args.repeats // 5)))
+        for n in prefill_lengths:
+            result["prefill"].append(bench.prefill(n, prefill_repeats))
             print(json.dumps(result["prefill"][-1]), flush=True)
     finally:
         bench.close()

@@ -11,7 +11,8 @@ the one path of argmax drafts. Along the target's greedy held-out answers, from 
 start, the loop hops p -> p + a(p) + 1 with each policy's own accepted length a(p), as
 bench.anchor_positions does for the chain. Exactness is untouched at T = 0 (the committed path is
 the target's own chain); at T > 0 a tree needs multi-draft rejection sampling (SpecInfer), which
-this does not simulate. Writes JSON to --out."""
+this does not simulate. Writes JSON to --out. --tiny: as in bench.anchor_positions (a few greedy
+answers generated on the spot), budgets 0, 7, 3/3 (a smoke test)."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,7 @@ from bench.anchor_positions import (
     cpu_models,
     held_out,
     summary,
+    tiny_held_out,
 )
 from bench.report import machine
 from runtime.draft_tree import best_prefixes
@@ -126,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
                     "(0 = the chain of argmax drafts; D defaults to the block size - 1)")
     ap.add_argument("--out", default="bench/results/drafter_tree_acceptance_96.json")
     args = ap.parse_args(argv)
+    tiny_held_out(ap, args, "tree_acceptance")
+    if args.tiny and args.budgets == ap.get_default("budgets"):
+        args.budgets = "0,7,3/3"
     draft, head, extractor = cpu_models(args.draft_model)
     budgets = [Budget.parse(b, draft.cfg.block_size) for b in args.budgets.split(",")]
     t0 = time.monotonic()
@@ -139,6 +144,9 @@ def main(argv: list[str] | None = None) -> None:
            "per_split": args.per_split, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
            "top_k_per_position": TOP_K, "seconds": round(time.monotonic() - t0, 1),
            "splits": splits}
+    if args.tiny:
+        from bench.tiny import tiny_fields
+        out.update(tiny_fields(), work=args.work)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 

@@ -16,7 +16,9 @@ long-lived bidirectional stream per upstream (the gateway's --wire unary | strea
 
 The wires alternate (unary, stream, unary, ...) over --rounds rounds and the median round is
 reported, so a change of load on the machine hits both. Results: bench/results/wire_cpu.json and
-the "Per-step wire: unary vs stream (CPU)" section of docs/benchmarks.md."""
+the "Per-step wire: unary vs stream (CPU)" section of docs/benchmarks.md. --tiny: one round of
+a few calls per row, and end to end one prompt of 8 tokens (a smoke test; --out and --doc
+default to a temporary folder)."""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +37,7 @@ import grpc
 import torch
 
 from bench.report import add_output_flags, machine, render_only, save
+from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 from dflash.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from services.common import tensor_codec
 from services.common.server import Readiness, build_server
@@ -111,9 +114,10 @@ def upstream(role: str, port: int, wire: str):
                     {"Propose": draft_pb2.ProposeStreamRequest})
 
 
-async def measure(port: int, method: str, wire: str, callers: int, calls: int) -> dict:
-    """`callers` tasks sharing `calls` calls, each caller's back to back; latency per call in
-    µs."""
+async def measure(port: int, method: str, wire: str, callers: int, calls: int,
+                  warmup: int = 50) -> dict:
+    """`callers` tasks sharing `calls` calls, each caller's back to back (after `warmup` calls
+    each); latency per call in µs."""
     up = upstream("target" if method == "Verify" else "draft", port, wire)
     make = verify_request if method == "Verify" else propose_request
     requests = [make(f"seq-{i}") for i in range(callers)]
@@ -126,7 +130,7 @@ async def measure(port: int, method: str, wire: str, callers: int, calls: int) -
             if keep:
                 latencies.append((time.perf_counter() - t0) * 1e6)
 
-    await asyncio.gather(*(caller(i, 50, False) for i in range(callers)))     # warm-up
+    await asyncio.gather(*(caller(i, warmup, False) for i in range(callers)))     # warm-up
     t0 = time.perf_counter()
     await asyncio.gather(*(caller(i, calls // callers, True) for i in range(callers)))
     seconds = time.perf_counter() - t0
@@ -137,7 +141,7 @@ async def measure(port: int, method: str, wire: str, callers: int, calls: int) -
             "p90_us": latencies[int(len(latencies) * 0.9)], "calls_per_s": len(latencies) / seconds}
 
 
-def wire_alone(rounds: int, calls: int) -> list[dict]:
+def wire_alone(rounds: int, calls: int, warmup: int = 50) -> list[dict]:
     from bench.gateway_cpu import free_port
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "bench.wire_cpu", "--serve", str(port)],
@@ -150,7 +154,8 @@ def wire_alone(rounds: int, calls: int) -> list[dict]:
                 for method in ("Verify", "Propose"):
                     for callers in LEVELS:
                         for wire in WIRES:
-                            row = runner.run(measure(port, method, wire, callers, calls))
+                            row = runner.run(measure(port, method, wire, callers, calls,
+                                                     warmup))
                             runs.setdefault((method, callers, wire), []).append(row)
     finally:
         server.terminate()
@@ -169,7 +174,8 @@ def median_row(rows: list[dict], key: str) -> dict:
 
 
 # -- part 2: end to end -------------------------------------------------------------------------
-def end_to_end(rounds: int, max_tokens: int, log_dir: Path) -> dict:
+def end_to_end(rounds: int, max_tokens: int, log_dir: Path,
+               texts: list[str] = E2E_PROMPTS) -> dict:
     """Two stacks, one per wire, both up; one request at a time, the wires taking turns."""
     from bench.gateway_cpu import Services, _grpc_ids, drive, step_breakdown
     from dflash.prepare.smollm2 import prepare_smollm2
@@ -177,7 +183,7 @@ def end_to_end(rounds: int, max_tokens: int, log_dir: Path) -> dict:
     from runtime.tokenizer import ChatTokenizer
     tok = ChatTokenizer(prepare_smollm2(["float32"], progress=False)["float32"])
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))
-               for t in E2E_PROMPTS]
+               for t in texts]
     runs: dict[str, list[dict]] = {w: [] for w in WIRES}
     with contextlib.ExitStack() as stacks, asyncio.Runner() as runner:      # see ONE_LOOP
         svcs = {w: stacks.enter_context(Services(DEFAULT_DRAFTER, log_dir / w, wire=w))
@@ -195,7 +201,7 @@ def end_to_end(rounds: int, max_tokens: int, log_dir: Path) -> dict:
     rows = [median_row(runs[w], "tokens_per_s") for w in WIRES]
     for row in rows:
         print(json.dumps(row), flush=True)
-    return {"drafter": DEFAULT_DRAFTER, "max_tokens": max_tokens, "prompts": E2E_PROMPTS,
+    return {"drafter": DEFAULT_DRAFTER, "max_tokens": max_tokens, "prompts": list(texts),
             "rounds": rounds, "rows": rows, "identical": outputs["unary"] == outputs["stream"]}
 
 
@@ -278,19 +284,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--e2e-max-tokens", type=int, default=64)
     p.add_argument("--no-e2e", action="store_true", help="the wire alone")
     add_output_flags(p, "wire_cpu")
+    add_tiny_flag(p)
     args = p.parse_args(argv)
     if args.serve:
         serve(args.serve)
         return
+    tiny_outputs(args, p, "wire_cpu")
     if render_only(args, SECTION, markdown):
         return
+    warmup, texts = 50, E2E_PROMPTS
+    if args.tiny:                       # every row, a few calls; end to end one short prompt
+        args.rounds, args.calls, args.e2e_rounds, args.e2e_max_tokens = 1, 16, 1, 8
+        warmup, texts = 4, E2E_PROMPTS[:1]
     result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
                     "command": " ".join(["python -m bench.wire_cpu", *(argv or sys.argv[1:])]),
                     "shared": args.shared, "rounds": args.rounds, "calls": args.calls}
-    result["wire_alone"] = wire_alone(args.rounds, args.calls)
+    if args.tiny:
+        result.update(tiny_fields())
+    result["wire_alone"] = wire_alone(args.rounds, args.calls, warmup)
     with tempfile.TemporaryDirectory(prefix="bench-wire-") as tmp:
         result["end_to_end"] = (None if args.no_e2e else
-                                end_to_end(args.e2e_rounds, args.e2e_max_tokens, Path(tmp)))
+                                end_to_end(args.e2e_rounds, args.e2e_max_tokens, Path(tmp), texts))
     save(result, Path(args.out), Path(args.doc), SECTION, markdown)
     print(markdown(result))
 
