@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import machine
+from bench.report import machine, write_json
 from runtime.models.dflash import TargetHead, load_dflash
 from train.blocks import accepted_drafts, block_inputs, draft_hidden
 from train.evaluate import default_target
@@ -221,11 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     out = {"date": str(date.today()), "machine": machine(), "draft_model": args.draft_model,
            "per_split": args.per_split, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
            "seconds": round(time.monotonic() - t0, 1), "splits": splits}
-    if args.tiny:
-        from bench.tiny import tiny_fields
-        out.update(tiny_fields(), work=args.work)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.out, out, args)
 
 
 if __name__ == "__main__":

@@ -65,3 +65,13 @@ def render_only(args: argparse.Namespace, heading: str, markdown: Callable[[dict
     if args.render_only:
         write_section(Path(args.doc), heading, markdown(json.loads(Path(args.out).read_text())))
     return args.render_only
+
+
+def write_json(path: str | Path, result: dict, args: argparse.Namespace) -> None:
+    """A benchmark's JSON; with --tiny marked so (and naming its --work folder)."""
+    if getattr(args, "tiny", False):
+        from bench.tiny import tiny_fields
+        result.update(tiny_fields(), work=str(args.work))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")

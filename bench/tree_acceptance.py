@@ -20,7 +20,6 @@ import json
 import time
 from dataclasses import dataclass
 from datetime import date
-from pathlib import Path
 
 import torch
 
@@ -32,7 +31,7 @@ from bench.anchor_positions import (
     summary,
     tiny_held_out,
 )
-from bench.report import machine
+from bench.report import machine, write_json
 from runtime.draft_tree import best_prefixes
 from runtime.models.dflash import TargetHead
 from train.generate import Example
@@ -144,11 +143,7 @@ def main(argv: list[str] | None = None) -> None:
            "per_split": args.per_split, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
            "top_k_per_position": TOP_K, "seconds": round(time.monotonic() - t0, 1),
            "splits": splits}
-    if args.tiny:
-        from bench.tiny import tiny_fields
-        out.update(tiny_fields(), work=args.work)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.out, out, args)
 
 
 if __name__ == "__main__":
