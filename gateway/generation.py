@@ -115,7 +115,7 @@ class Generation:
         block = self._block_size(spec)
         anchor = self.out.output[-1]
         t0 = time.perf_counter()
-        nodes = spec.tree_for(self.req.temperature == 0, self._room() - 1)
+        nodes = spec.tree_for(self.req.greedy, self._room() - 1)
         drafts = await self.draft.propose(spec, block, nodes, anchor) if block > 1 else NO_DRAFTS
         t1 = time.perf_counter()
         try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from gateway.request import UINT64, GenerationRequest, RequestError
 from runtime.tokenizer import ChatTokenizer
@@ -24,6 +24,32 @@ from runtime.tokenizer import ChatTokenizer
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="after")
+    def _valid_unicode(self) -> _Strict:
+        """JSON may escape a lone surrogate (\\ud800 without its pair): no tokenizer or response
+        can carry it, so it is refused here with the field it is in (nested models check their
+        own fields)."""
+        for name in type(self).model_fields:
+            _check_unicode(getattr(self, name), name)
+        return self
+
+
+def _check_unicode(value: Any, path: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{path} is not valid Unicode: a lone surrogate "
+                             f"{value[e.start]!r} at character {e.start} (surrogates "
+                             f"\\ud800-\\udfff are only valid in pairs)") from None
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, f"{path} key")
+            _check_unicode(item, f"{path}[{key!r}]")
 
 
 class StreamOptions(_Strict):

@@ -3,10 +3,12 @@ the target's limits. Errors say what was wrong and what is allowed."""
 from __future__ import annotations
 
 import math
+import struct
 import uuid
 from dataclasses import dataclass, replace
 
 from dflash.v1 import common_pb2
+from runtime.sampling import GREEDY_BELOW, MAX_TEMPERATURE, MAX_TOP_K
 from services.common.errors import InvalidArgument
 
 MAX_STOP_STRINGS = 16
@@ -46,6 +48,10 @@ class GenerationRequest:
     skip_special_tokens: bool = True
     request_id: str = ""
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
     def sampling_pb(self, seed_offset: int = 0) -> common_pb2.SamplingParams:
         """seed_offset > 0 on a rebuild, so a sampled stream does not replay its random draws."""
         msg = common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k,
@@ -80,7 +86,8 @@ def validate(req: GenerationRequest, limits: Limits) -> GenerationRequest:
     if req.block_size < 0:
         raise RequestError(f"block_size must be >= 0 (0 = default), got {req.block_size}",
                            "block_size")
-    return replace(req, max_tokens=max_tokens, request_id=req.request_id or uuid.uuid4().hex)
+    return replace(req, max_tokens=max_tokens, request_id=req.request_id or uuid.uuid4().hex,
+                   temperature=0.0 if req.greedy else req.temperature)
 
 
 def _max_tokens(value: int | None, room: int, n: int, limits: Limits) -> int:
@@ -101,18 +108,26 @@ def _max_tokens(value: int | None, room: int, n: int, limits: Limits) -> int:
 
 
 def _sampling(req: GenerationRequest, limits: Limits, max_tokens: int) -> None:
-    if not (math.isfinite(req.temperature) and req.temperature >= 0):
-        raise RequestError(f"temperature must be >= 0 (0 = greedy), got {req.temperature}",
+    if not 0 <= req.temperature <= MAX_TEMPERATURE:                     # NaN fails too
+        raise RequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy; "
+                           f"below {GREEDY_BELOW:g} is greedy too), got {req.temperature}",
                            "temperature")
-    if not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
-        raise RequestError(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
-    if req.top_k < -1:
-        raise RequestError(f"top_k must be -1 or 0 (off) or >= 1, got {req.top_k}", "top_k")
+    if not (math.isfinite(req.top_p) and 0 < _float32(req.top_p) <= 1):
+        raise RequestError(f"top_p must be in (0, 1] (and not below float32's smallest "
+                           f"positive value), got {req.top_p}", "top_p")
+    if not -1 <= req.top_k <= MAX_TOP_K:
+        raise RequestError(f"top_k must be -1 or 0 (off) or in [1, {MAX_TOP_K}], got "
+                           f"{req.top_k}", "top_k")
     if req.seed is not None and not 0 <= req.seed <= UINT64:
         raise RequestError(f"seed must be in [0, 2**64), got {req.seed}", "seed")
     if not 0 <= req.min_tokens <= max_tokens:
         raise RequestError(f"min_tokens must be in [0, max_tokens={max_tokens}], got "
                            f"{req.min_tokens}", "min_tokens")
+
+
+def _float32(x: float) -> float:
+    """x as the wire's float fields carry it (0 for values below float32's smallest)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _stops(req: GenerationRequest, limits: Limits) -> None:

@@ -7,6 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
+# Temperatures where the maths stays finite in fp32 (logits / T, then softmax): below GREEDY_BELOW
+# the distribution is the argmax's for every practical purpose and a division by it can overflow
+# to inf (NaN after softmax), so it is greedy (vLLM treats T < 1e-5 the same way); above
+# MAX_TEMPERATURE it is refused (T beyond fp32's range is inf, and -inf / inf is NaN).
+GREEDY_BELOW = 1e-5
+MAX_TEMPERATURE = 1e4
+MAX_TOP_K = 2**31 - 1                   # the wire's int32
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -19,12 +27,13 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError with what is allowed."""
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:        # NaN fails too
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (below "
+                             f"{GREEDY_BELOW:g}: greedy), got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -206,6 +206,9 @@ BAD = [
     ("completions", {**COMP, "max_tokens": -5}, 400, "max_tokens"),
     ("completions", {**COMP, "max_tokens": 10_000}, 400, "max_tokens"),
     ("completions", {**COMP, "temperature": -1}, 400, "temperature"),
+    ("completions", {**COMP, "temperature": 1e300}, 400, "temperature"),
+    ("completions", {**COMP, "temperature": 0.5, "top_k": 2**31}, 400, "top_k"),
+    ("completions", {**COMP, "top_p": 1e-46}, 400, "top_p"),
     ("completions", {**COMP, "top_p": 0}, 400, "top_p"),
     ("completions", {**COMP, "top_p": 1.5}, 400, "top_p"),
     ("completions", {**COMP, "n": 2}, 400, "n"),
@@ -254,6 +257,42 @@ def test_malformed_json_is_400(gw, raw):
     r = httpx.post(f"{gw.http_url}/v1/completions", content=raw,
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+LONE_SURROGATES = [
+    ("completions", b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}' % MODEL.encode(),
+     "prompt"),
+    ("completions", b'{"model": "a\\udc00b", "prompt": "hi", "max_tokens": 2}', "model"),
+    ("completions", b'{"model": "%s", "prompt": "hi", "stop": ["\\ud83d"]}' % MODEL.encode(),
+     "stop[0]"),
+    ("chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "x\\ud800"}]}'
+     % MODEL.encode(), "content"),
+]
+
+
+@pytest.mark.parametrize("path,raw,field", LONE_SURROGATES)
+def test_invalid_unicode_is_400_and_the_connection_serves_on(gw, client, path, raw, field):
+    """JSON can escape a lone surrogate; it was a 500 (and a reset connection) in the
+    tokenizer or the response. Now a 400 naming the field, and the next request works."""
+    with httpx.Client(timeout=60) as http:
+        r = http.post(f"{gw.http_url}/v1/{path}", content=raw,
+                      headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "not valid Unicode" in err["message"] and field in err["message"], err
+        ok = http.post(f"{gw.http_url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+
+def test_near_zero_temperature_is_greedy(client, tok, reference):
+    """T = 1e-40 was accepted and made NaN on the target, ending every stream batched with it:
+    below 1e-5 the gateway serves greedy, as the target does."""
+    ids = tok.encode(STORY, add_special_tokens=True)
+    want = expected_text(tok, reference(ids, 24))
+    for t in (1e-40, 1e-6):
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=t)
+        assert r.choices[0].text == want
 
 
 def test_unknown_route_and_method(gw):

@@ -65,9 +65,11 @@ BAD_PREFILLS = {
     "prompt past max context": (dict(ids=[5] * MAX_CONTEXT),
                                 [f"prompt of {MAX_CONTEXT} tokens", f"max context is {MAX_CONTEXT}"]),
     "negative temperature": (dict(sampling=sampling(temperature=-0.5)),
-                             ["temperature must be >= 0", "-0.5"]),
+                             ["temperature must be in [0, 10000]", "-0.5"]),
     "nan temperature": (dict(sampling=sampling(temperature=float("nan"))),
-                        ["temperature must be >= 0", "nan"]),
+                        ["temperature must be in [0, 10000]", "nan"]),
+    "temperature past float32": (dict(sampling=sampling(temperature=1e300)),
+                                 ["temperature must be in [0, 10000]", "inf"]),
     "top_p zero": (dict(sampling=sampling(temperature=1, top_p=0.0)), ["top_p must be in (0, 1]"]),
     "top_p above one": (dict(sampling=sampling(temperature=1, top_p=1.5)),
                         ["top_p must be in (0, 1]", "1.5"]),
@@ -90,6 +92,23 @@ def test_bad_prefill(client, still_serves, case):
     kw, words = BAD_PREFILLS[case]
     kw = {"seq": f"bad{next(_ids)}", "ids": [1, 2, 3], **kw}
     expect_status(lambda: client.prefill(kw.pop("seq"), kw.pop("ids"), **kw), INVALID, *words)
+
+
+def test_near_zero_temperature_is_greedy_and_harms_no_neighbour(client, still_serves):
+    """T = 1e-40 (finite, accepted) divided logits to inf and sampling to NaN, failing every
+    sequence in the batch: below 1e-5 a sequence is greedy now (min_tokens too)."""
+    def generate(temperature: float) -> list[int]:
+        seq = f"tiny{next(_ids)}"
+        out = [client.prefill(seq, [1, 2, 3], sampling(temperature=temperature,
+                                                        min_tokens=4)).next_token]
+        while len(out) < 8:
+            out += client.verify(seq, [out[-1], 5, 6]).committed_tokens
+        assert client.release(seq)
+        return out[:8]
+
+    greedy = generate(0.0)
+    for t in (1e-40, 1e-45, 1e-6):
+        assert generate(t) == greedy
 
 
 def test_bad_verify_blocks(client, still_serves):
