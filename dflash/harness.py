@@ -37,7 +37,8 @@ class ForcedAcceptance:
 
 @dataclass(frozen=True)
 class HookFlags:
-    """The hooks as command-line flags (what a Stack or a test passes to this module)."""
+    """The hooks as command-line flags (what a Stack or a test passes to this module). Each
+    field is one flag: --warmup-delay, --random-weights, --force-tau, ... (its help: FLAG_HELP)."""
     warmup_delay_s: float = 0.0
     random_weights: bool = False
     force_tau: float = 0.0              # 0 = the target's own acceptance
@@ -49,10 +50,17 @@ class HookFlags:
         """The flags that differ from the defaults, for `python -m dflash.harness ROLE`."""
         out: list[str] = []
         for f in fields(self):
-            value, flag = getattr(self, f.name), "--" + f.name.removesuffix("_s").replace("_", "-")
+            value = getattr(self, f.name)
             if value != f.default:
-                out += [flag] if value is True else [flag, str(value)]
+                out += [_flag(f.name)] if value is True else [_flag(f.name), str(value)]
         return out
+
+    def module(self, role: str) -> list[str]:
+        """What follows `python -m` up to the service's own flags: the service itself, or this
+        harness when any hook is set."""
+        if self == HookFlags():
+            return [f"services.{role}"]
+        return ["dflash.harness", role, *self.argv(), "--"]
 
     def target_hooks(self) -> TargetHooks:
         return TargetHooks(
@@ -70,6 +78,18 @@ class HookFlags:
 
 
 NO_HOOK_FLAGS = HookFlags()
+FLAG_HELP = {
+    "warmup_delay_s": "extra seconds of warm-up",
+    "random_weights": "random weights, not loaded",
+    "force_tau": "target: accept drafts so that the mean committed tokens per step is T",
+    "hybrid_wrapper": "target: wrap a dense model's backend in the hybrid wrapper",
+    "no_mamba_commit": "target: a hybrid backend that cannot commit recurrent state",
+    "skip_mamba_commit": "target: advertise the mamba commit and skip it (WRONG output)",
+}
+
+
+def _flag(field_name: str) -> str:
+    return "--" + field_name.removesuffix("_s").replace("_", "-")
 
 
 def parse(argv: list[str]) -> tuple[str, HookFlags, list[str]]:
@@ -81,20 +101,15 @@ def parse(argv: list[str]) -> tuple[str, HookFlags, list[str]]:
         mine, service_argv = argv, []
     p = argparse.ArgumentParser(prog="python -m dflash.harness", description=__doc__.splitlines()[0])
     p.add_argument("role", choices=("target", "draft"))
-    p.add_argument("--warmup-delay", type=float, default=0.0, help="extra seconds of warm-up")
-    p.add_argument("--random-weights", action="store_true", help="random weights, not loaded")
-    p.add_argument("--force-tau", type=float, default=0.0,
-                   help="target: accept drafts so that the mean committed tokens per step is T")
-    p.add_argument("--hybrid-wrapper", action="store_true",
-                   help="target: wrap a dense model's backend in the hybrid wrapper")
-    p.add_argument("--no-mamba-commit", action="store_true",
-                   help="target: a hybrid backend that cannot commit recurrent state")
-    p.add_argument("--skip-mamba-commit", action="store_true",
-                   help="target: advertise the mamba commit and skip it (WRONG output)")
-    a = p.parse_args(mine)
-    flags = HookFlags(a.warmup_delay, a.random_weights, a.force_tau, a.hybrid_wrapper,
-                      a.no_mamba_commit, a.skip_mamba_commit)
-    return a.role, flags, service_argv
+    for f in fields(HookFlags):
+        if f.type == "bool":
+            p.add_argument(_flag(f.name), dest=f.name, action="store_true", help=FLAG_HELP[f.name])
+        else:
+            p.add_argument(_flag(f.name), dest=f.name, type=float, default=f.default,
+                           help=FLAG_HELP[f.name])
+    a = vars(p.parse_args(mine))
+    role = a.pop("role")
+    return role, HookFlags(**a), service_argv
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -138,11 +138,11 @@ class Stack:
         self.model_dir = o.model_dir or str(_prepare_default_model(o.dtype, o.quiet))
         self.children = []
         draft_model = (o.draft_model or str(self._default_drafter())) if o.drafter == "dflash" else ""
-        self._add("target", self._service("target"), "--model", self.model_dir, "--dtype", o.dtype,
+        self._add("target", o.target_hooks.module("target"), "--model", self.model_dir, "--dtype", o.dtype,
                   "--port", o.target_port, "--host", o.host, "--metrics-port", o.target_metrics_port,
                   *self._device_args(), *self._graph_args(draft_model), *o.target_args)
         if o.drafter != "none":
-            self._add("draft", self._service("draft"), *self._draft_args(draft_model))
+            self._add("draft", o.draft_hooks.module("draft"), *self._draft_args(draft_model))
         self._add("gateway", ["gateway"], *self.gateway_args(o.port, o.http_port))
         return self.children
 
@@ -215,14 +215,6 @@ class Stack:
 
     def _default_drafter(self) -> Path:
         return _shipped_or_random_drafter(self.model_dir, self.opts.quiet)
-
-    def _service(self, role: str) -> list[str]:
-        """`-m` and what follows it up to the service's flags: the service, or the harness when
-        hooks are set."""
-        hooks = self.opts.target_hooks if role == "target" else self.opts.draft_hooks
-        if hooks == NO_HOOK_FLAGS:
-            return [f"services.{role}"]
-        return ["dflash.harness", role, *hooks.argv(), "--"]
 
     def _add(self, name: str, module: list[str], *args) -> None:
         argv = [sys.executable, "-m", *module, *[str(a) for a in args]]

@@ -50,6 +50,7 @@ class GenerationRequest:
 
     @property
     def greedy(self) -> bool:
+        """Below GREEDY_BELOW (the target's SamplingConfig.greedy rule, the same constant)."""
         return self.temperature < GREEDY_BELOW
 
     def sampling_pb(self, seed_offset: int = 0) -> common_pb2.SamplingParams:
@@ -86,8 +87,7 @@ def validate(req: GenerationRequest, limits: Limits) -> GenerationRequest:
     if req.block_size < 0:
         raise RequestError(f"block_size must be >= 0 (0 = default), got {req.block_size}",
                            "block_size")
-    return replace(req, max_tokens=max_tokens, request_id=req.request_id or uuid.uuid4().hex,
-                   temperature=0.0 if req.greedy else req.temperature)
+    return replace(req, max_tokens=max_tokens, request_id=req.request_id or uuid.uuid4().hex)
 
 
 def _max_tokens(value: int | None, room: int, n: int, limits: Limits) -> int:

@@ -90,6 +90,7 @@ def stack(smollm2_dir, tmp_path_factory):
 def test_garbage_proposals_cost_only_speculation(stack, temperature):
     target, draft, gateway = stack
     before = len(draft.proposals)
+    refused_before = gateway.log().count("refused the draft's proposal")
     sampling = common_pb2.SamplingParams(temperature=temperature, seed=7)
     ids, _, responses = gateway.generate(PROMPT, N, sampling=sampling, ignore_eos=True)
     assert len(ids) == N
@@ -100,4 +101,4 @@ def test_garbage_proposals_cost_only_speculation(stack, temperature):
     assert usage.verify_steps >= N // 8 and usage.draft_steps < usage.verify_steps
     if temperature == 0:
         assert ids == TargetClient(target.address).greedy("alone", PROMPT, N)
-    assert "refused the draft's proposal" in gateway.log()
+    assert gateway.log().count("refused the draft's proposal") > refused_before

@@ -84,9 +84,8 @@ class ServiceProcess:
 
 def service_command(role: str, args: list[str], hooks: HookFlags) -> tuple[str, list[str]]:
     """(module, args) of `python -m`: the service itself, or dflash.harness when hooks are set."""
-    if hooks == NO_HOOK_FLAGS:
-        return f"services.{role}", args
-    return "dflash.harness", [role, *hooks.argv(), "--", *args]
+    module, *rest = hooks.module(role)
+    return module, [*rest, *args]
 
 
 def start_target(model_dir: str | Path, log_dir: Path, *extra: str, wait: bool = True,
