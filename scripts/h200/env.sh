@@ -1,10 +1,13 @@
-# Source on the H200 machine from the repository root: installs the carried wheels that the
-# machine lacks into /tmp/site: .whl (grpc health/reflection, FastAPI stack + opentelemetry-api,
-# gguf) and, when carried, .whl_fi (FlashInfer + apache-tvm-ffi).
+# Source on the H200 machine from the repository root: installs the wheels staged by
+# scripts/h200/stage.sh (.whl: exactly the pinned lists, checked here) into /tmp/site, and sets
+# the environment (DFLASH_HOME, the FlashInfer JIT cache).
 set -e
 if [ ! -f /tmp/site/.installed ]; then
+  for name in $(grep -hv '^#' scripts/h200/wheels.txt | awk 'NF {print $1}' | cut -d= -f1 | tr - _); do
+    ls .whl/ | grep -iq "^${name}-" || { echo "env.sh: .whl lacks $name (run scripts/h200/stage.sh here, carry .whl)" >&2; return 1; }
+  done
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl $(ls .whl_fi/*.whl 2>/dev/null)
+    --target /tmp/site .whl/*.whl
   touch /tmp/site/.installed
 fi
 export PYTHONPATH=/tmp/site:$PWD
