@@ -122,9 +122,10 @@ class GpuStack:
     """target (+ draft) + one gateway per wire, as child processes, with /metrics ports."""
 
     def __init__(self, tdir: Path, ddir: Path | None, args, log_dir: Path, taps: list[int],
-                 tau: float | None) -> None:
+                 tau: float | None, plane: str = "auto") -> None:
         from dflash.stack import Stack, StackOptions
-        self.taps, self.tau = taps, tau
+        self.taps, self.tau, self.plane = taps, tau, plane
+        self.wires = tuple(args.wires)
         capture = ",".join(map(str, taps)) if ddir is not None else ""
         self.opts = StackOptions(
             http_port=free_port(), port=free_port(), target_port=free_port(),
@@ -134,16 +135,18 @@ class GpuStack:
             log_dir=str(log_dir), quiet=True, ready_timeout_s=900, device=args.device,
             attention_backend=args.backend,
             target_args=("--kv-budget", args.target_kv, "--max-block-size", "16",
-                         "--graph-capture-layers", capture, "--token-budget", "2048"),
-            draft_args=("--kv-budget", args.draft_kv, "--token-budget", "8192"),
-            gateway_args=("--wire", WIRES[0], "--max-message-mib", "512"),
+                         "--graph-capture-layers", capture, "--token-budget", "2048",
+                         "--feature-plane", plane, "--max-message-mib", "512"),
+            draft_args=("--kv-budget", args.draft_kv, "--token-budget", "8192",
+                        "--max-message-mib", "512"),
+            gateway_args=("--wire", self.wires[0], "--max-message-mib", "512"),
             target_hooks=HookFlags(random_weights=True, force_tau=tau or 0.0),
             draft_hooks=HookFlags(random_weights=True),
             # --tiny on the CPU: the GPU's gateway settings (the drafter's block of 16, drafting
             # at every load), not the launcher's CPU defaults (a block of 4, no drafts above 1)
             **({"block_size": 16, "spec_disable_batch_size": 0} if args.tiny else {}))
         self.stack = Stack(self.opts)
-        self.gateways = {WIRES[0]: (self.opts.port, self.opts.http_port)}
+        self.gateways = {self.wires[0]: (self.opts.port, self.opts.http_port)}
 
     def start(self) -> dict:
         t0 = time.monotonic()
@@ -156,8 +159,8 @@ class GpuStack:
                                     "dflash.v1.Draft", t0))
         self.stack.wait_ready()
         events = {h.name: h.stop() for h in health}
-        if self.opts.drafter != "none":
-            self._second_gateway(WIRES[1])
+        if self.opts.drafter != "none" and len(self.wires) > 1:
+            self._second_gateway(self.wires[1])
         time.sleep(0.5)
         return {"ready_s": round(time.monotonic() - t0, 1), "health": events}
 
@@ -195,7 +198,8 @@ def service_rows(stack: GpuStack, prompts: list[list[int]], max_tokens: int, wir
         before = stack.snapshot(wire)
         tokens, seconds = asyncio.run(drive(address, batch, c, max_tokens))
         split = step_breakdown(before, stack.snapshot(wire))
-        row = {"config": label, "wire": wire, "forced_tau": stack.tau, "concurrency": c,
+        row = {"config": label, "wire": wire, "feature_plane": stack.plane,
+               "forced_tau": stack.tau, "concurrency": c,
                "requests": len(batch), "tokens": tokens, "seconds": round(seconds, 3),
                "tokens_per_s": round(tokens / seconds, 1),
                **{k: round(v, 3) if isinstance(v, float) else v for k, v in split.items()}}
@@ -227,7 +231,7 @@ def service_ttft(stack: GpuStack, prompt: list[int], wire: str) -> dict:
 
 # -- (c): in-process ---------------------------------------------------------------------------
 def inprocess(tdir: Path, ddir: Path | None, args, prompts, max_tokens: int, tau: float | None,
-              levels, ttft_prompt: list[int] | None) -> dict:
+              levels, ttft_prompts: dict[int, list[int]] | None) -> dict:
     from runtime.sampling import SamplingConfig
     from services.common.hooks import ServiceHooks
     from services.draft.config import DraftConfig
@@ -272,8 +276,9 @@ def inprocess(tdir: Path, ddir: Path | None, args, prompts, max_tokens: int, tau
                    "verify_ms": round(1000 * sum(r.verify_seconds for r in results) / max(1, steps), 3)}
             print(json.dumps(row), flush=True)
             out["rows"].append(row)
-        if ttft_prompt is not None:
-            out["ttft"] = _inproc_ttft(engines, ttft_prompt, taps)
+        if ttft_prompts:
+            out["ttft_by_len"] = {n: _inproc_ttft(engines, p, taps) for n, p in ttft_prompts.items()}
+            out["ttft"] = next(iter(out["ttft_by_len"].values()))
     finally:
         engines.stop()
         del engines
@@ -434,10 +439,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true",
                     help="small shape on CPU (smoke test; --out defaults to a temporary folder)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_side_by_side"))
-    ap.add_argument("--parts", nargs="*", default=["services", "inproc", "transformers"])
+    ap.add_argument("--parts", nargs="*", default=["ar", "services", "inproc", "transformers"])
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--transformers-budget-s", type=float, default=240)
+    ap.add_argument("--ttft-lens", nargs="+", type=int, default=[TTFT_PROMPT],
+                    help="prompt lengths whose time to first token is measured")
+    ap.add_argument("--levels", nargs="+", type=int, default=list(LEVELS),
+                    help="concurrency levels, in the order they run")
+    ap.add_argument("--wires", nargs="+", default=list(WIRES), choices=WIRES)
+    ap.add_argument("--taus", nargs="+", type=float, default=list(TAUS))
+    ap.add_argument("--feature-planes", nargs="+", default=["auto"],
+                    choices=["auto", "cuda-ipc", "shm", "off"],
+                    help="the target's --feature-plane of each speculative stack (one stack each)")
     args = ap.parse_args(argv)
     tiny_outputs(args, ap, "gpu_side_by_side", ("out",))
     args.device = "cpu" if args.tiny else "cuda"
@@ -450,21 +464,21 @@ def main(argv: list[str] | None = None) -> None:
     rec = Recorder(out / "gpu_side_by_side.json")
     shape = TINY if args.tiny else QWEN3_8B
     taps = [1, 2, 3, 4, 5] if args.tiny else [1, 9, 17, 25, 33]
-    levels = (1, 2) if args.tiny else LEVELS
+    levels = (1, 2) if args.tiny else tuple(args.levels)
     max_tokens = 24 if args.tiny else args.max_tokens
     prompt_len = 16 if args.tiny else args.prompt_len
-    ttft_len = 64 if args.tiny else TTFT_PROMPT
+    ttft_lens = [64] if args.tiny else args.ttft_lens
     tdir, ddir = write_model_dirs(out / "models" if args.tiny
                                   else Path("/tmp/gpu_side_by_side_models"), shape, taps)
     _tokenizer_into(tdir)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 500, (prompt_len,), generator=g).tolist() for _ in range(64)]
-    ttft_prompt = torch.randint(0, 500, (ttft_len,), generator=g).tolist()
+    ttft_prompts = {n: torch.randint(0, 500, (n,), generator=g).tolist() for n in ttft_lens}
     rec.put("device", torch.cuda.get_device_name() if args.device == "cuda" else "cpu (--tiny)")
     if args.tiny:
         for key, value in tiny_fields(TINY_SKIPPED).items():
             rec.put(key, value)
-    taus = TAUS[:1] if args.tiny else TAUS      # --tiny: one forced tau (the same path)
+    taus = tuple(args.taus[:1] if args.tiny else args.taus)   # --tiny: one forced tau
     rec.put("setup", {"target": "Qwen3-8B shape, random bf16" if not args.tiny else "tiny",
                       "drafter": f"DFlash 5 layers, taps {taps}, block 16",
                       "prompt_tokens": prompt_len, "max_tokens": max_tokens,
@@ -485,21 +499,26 @@ def main(argv: list[str] | None = None) -> None:
         rows.extend(new)
         rec.put("rows", rows)
 
-    if "services" in args.parts:
+    if "ar" in args.parts:
         guarded(rec, "services_ar", lambda: _stack_part(tdir, None, args, out, taps, None, prompts,
-                                                        max_tokens, levels, ttft_prompt, keep))
+                                                        max_tokens, levels, ttft_prompts, keep))
+    if "services" in args.parts:
         for tau in taus:
-            guarded(rec, f"services_tau{tau:g}",
-                    lambda tau=tau: _stack_part(tdir, ddir, args, out, taps, tau, prompts,
-                                                max_tokens, levels, ttft_prompt, keep))
+            for plane in args.feature_planes:
+                guarded(rec, f"services_tau{tau:g}" + ("" if plane == "auto" else f"_{plane}"),
+                        lambda tau=tau, plane=plane: _stack_part(
+                            tdir, ddir, args, out, taps, tau, prompts, max_tokens, levels,
+                            ttft_prompts, keep, plane))
     if "inproc" in args.parts:
         for tau in taus:
             def run_inproc(tau=tau):
                 res = inprocess(tdir, ddir, args, prompts, max_tokens, tau, levels,
-                                ttft_prompt if tau == TAUS[0] else None)
+                                ttft_prompts if tau == taus[0] else None)
                 keep(res["rows"])
                 if "draft_graph_check" in res:      # was printed only: kept in the JSON now
                     rec.put(f"inproc_tau{tau:g}_draft_graph_check", res["draft_graph_check"])
+                if "ttft_by_len" in res:
+                    rec.put(f"inproc_tau{tau:g}_ttft_by_len", res["ttft_by_len"])
                 return res.get("ttft")
             guarded(rec, f"inproc_tau{tau:g}_ttft", run_inproc)
     if "transformers" in args.parts:
@@ -513,22 +532,34 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--tiny: parts failed: {failed}")
 
 
-def _stack_part(tdir, ddir, args, out, taps, tau, prompts, max_tokens, levels, ttft_prompt,
-                keep) -> dict:
-    name = "ar" if ddir is None else f"spec-tau{tau:g}"
-    stack = GpuStack(tdir, ddir, args, out / f"logs-{name}", taps, tau)
+def _stack_part(tdir, ddir, args, out, taps, tau, prompts, max_tokens, levels, ttft_prompts,
+                keep, plane: str = "auto") -> dict:
+    name = "ar" if ddir is None else f"spec-tau{tau:g}-{plane}"
+    stack = GpuStack(tdir, ddir, args, out / f"logs-{name}", taps, tau, plane)
     try:
         info = stack.start()
-        wires = WIRES if ddir is not None else WIRES[:1]
+        info["feature_plane"] = plane
+        wires = stack.wires if ddir is not None else stack.wires[:1]
         label = "AR service" if ddir is None else "spec services"
         for wire in wires:
             keep(service_rows(stack, prompts, max_tokens, wire, levels, label))
-        info["ttft"] = {w: service_ttft(stack, ttft_prompt, w) for w in wires}
+        info["ttft_by_len"] = {n: {w: service_ttft(stack, p, w) for w in wires}
+                               for n, p in ttft_prompts.items()}
+        info["ttft"] = next(iter(info["ttft_by_len"].values()))
     finally:
         stack.stop()
         for log in (out / f"logs-{name}").glob("*.log"):
             shutil.copy(log, out / f"{name}-{log.name}")
+    info["features_travel"] = _features_travel(out / f"logs-{name}")
     return info
+
+
+def _features_travel(log_dir: Path) -> list[str]:
+    """What the gateways logged about the feature plane (which one the draft reads, or none)."""
+    return [line.split(" dflash.gateway.planes ", 1)[1].strip()
+            for log in sorted(log_dir.glob("gateway*.log"))
+            for line in log.read_text(errors="replace").splitlines()
+            if " dflash.gateway.planes " in line]
 
 
 def _tokenizer_into(tdir: Path) -> None:

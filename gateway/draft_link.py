@@ -13,7 +13,13 @@ the Propose call. Any draft failure only costs speculation, never output.
 
 A draft that is down (UNAVAILABLE, deadline, cancelled) costs the step its drafts; the features
 its Verify returns are kept in the feed and sent when it is back. A prompt-lookup draft needs no
-features: it gets the token ids again. The proposal is checked for its size here (what the
+features: it gets the token ids again.
+
+Features travel in the messages, or stay in the target's feature plane that the draft attached
+(gateway/planes.py): then the feed holds references, and each Verify tells the target which
+positions the draft holds (features_consumed) so that it frees them. A draft that cannot read a
+reference (DATA_LOSS: stale, or a plane it lost) gets the context again, rebuilt in messages for
+the rest of the request. The proposal is checked for its size here (what the
 gateway asked for); its tokens and tree shape are checked by the target alone (target_link.py)."""
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ import time
 import grpc
 
 from dflash.v1 import common_pb2, draft_pb2
-from gateway.feed import DraftFeed
+from gateway.feed import DraftFeed, answer_chunk
 from gateway.state import GatewayState, Speculation
 from gateway.target_link import Context, Rebuilds, TargetLink
 from gateway.upstream import UpstreamError
@@ -55,6 +61,7 @@ class DraftLink:
         self.feed_limit = self.config.pending_feature_mib * 1024 * 1024
         self.capture_layers: list[int] = []      # what the target captures for it ...
         self.feature_dtype = ""                  # ... and in which dtype
+        self.plane_failed = False                # the draft could not read this request's refs
         self.generation = 0                      # the draft's capabilities generation it is for
         self.paused_until = 0.0
         self.pause_s = self.config.backoff_initial_s
@@ -100,13 +107,25 @@ class DraftLink:
             if draft is None:
                 self._to(DraftState.LOST, "no draft known at prefill")
 
-    def keep(self, features: common_pb2.TensorData, token_ids: list[int]) -> None:
+    def capture(self) -> tuple[list[int], str, str]:
+        """What a Prefill captures for the draft: layers, dtype, and the feature plane that the
+        draft reads now ("" = in the answer)."""
+        plane = "" if self.plane_failed or not self.capture_layers else self.gw.planes.plane_id
+        return self.capture_layers, self.feature_dtype, plane
+
+    def keep(self, chunk: common_pb2.FeatureChunk | None, token_ids: list[int]) -> None:
         """The features of newly committed positions (the prompt's, or a verify's)."""
         if not self.keeps_context:
             return
-        self.feed.append(features if self.capture_layers else None, token_ids)
+        self.feed.append(chunk if self.capture_layers else None, token_ids)
         if self.feed.nbytes > self.feed_limit:
             self._to(DraftState.LOST, "feed over --pending-feature-mib")
+
+    def consumed(self, committed_len: int) -> int:
+        """For a Verify: the positions whose features the target may free - those the draft
+        holds, or all when none are kept for it."""
+        keeping = self.keeps_context and self.state != DraftState.LOST
+        return self.feed.start if keeping else committed_len
 
     # -- Propose -----------------------------------------------------------------------------------
     async def propose(self, spec: Speculation, block: int, tree_nodes: int, anchor: int
@@ -131,7 +150,7 @@ class DraftLink:
     def _request(self, block: int, tree_nodes: int, anchor: int) -> draft_pb2.ProposeRequest:
         self.touched = True
         return draft_pb2.ProposeRequest(
-            sequence_id=self.seq_id, new_features=self.feed.features(),
+            sequence_id=self.seq_id, feature_chunks=self.feed.chunks,
             positions=self.feed.positions, new_token_ids=self.feed.token_ids,
             anchor=anchor, block_size=block, tree_nodes=tree_nodes)
 
@@ -143,6 +162,13 @@ class DraftLink:
         """True: retry after a rebuild."""
         if e.code == grpc.StatusCode.NOT_FOUND:
             self._to(DraftState.LOST, "NOT_FOUND")
+            return True
+        if e.code == grpc.StatusCode.DATA_LOSS:
+            log.warning("draft cannot read the features: %s; its context is sent again in "
+                        "messages", e.details, extra=self.ids)
+            self.plane_failed = True
+            self.gw.planes.failed()
+            self._to(DraftState.LOST, "DATA_LOSS")
             return True
         if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
             self._to(DraftState.LOST, "deadline: it may have taken the features")
@@ -164,12 +190,12 @@ class DraftLink:
         self.capture_layers = spec.capture_layers
         self.feature_dtype = spec.draft.feature_dtype
         context: Context = self.target.context()
-        features = None
+        chunk = None
         if self.capture_layers:
-            features = (await self.target.prefill(context.token_ids,
-                                                  context.num_generated)).features
+            chunk = answer_chunk(await self.target.prefill(context.token_ids,
+                                                           context.num_generated))
         self.feed.reset()
-        self.feed.append(features, context.token_ids)
+        self.feed.append(chunk, context.token_ids)
         self.generation = spec.generation
         self._to(DraftState.SYNCED, "rebuilt")
         return True

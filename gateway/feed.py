@@ -1,18 +1,44 @@
-"""Context the draft has not received yet: target features (raw bytes, never decoded here) and
-token ids of consecutive positions from `start` on. Kept while the draft is down; sent with the
-next Propose."""
+"""Context the draft has not received yet: the token ids of consecutive positions from `start` on
+and their target features, as chunks that are either raw bytes (never decoded here) or
+references into a target's feature plane (the bytes stay on the target's host or GPU). Kept while
+the draft is down; sent with the next Propose."""
 from __future__ import annotations
 
 from dflash.v1 import common_pb2
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def answer_chunk(resp) -> common_pb2.FeatureChunk | None:
+    """A Prefill or Verify answer's features as a chunk (None: the answer has none)."""
+    if resp.HasField("feature_ref"):
+        return common_pb2.FeatureChunk(ref=resp.feature_ref)
+    if resp.features.data:
+        return common_pb2.FeatureChunk(inline=resp.features)
+    return None
+
+
+def chunk_format(chunk: common_pb2.FeatureChunk) -> tuple[int, int, str]:
+    """(rows, width, dtype) of a chunk."""
+    if chunk.HasField("ref"):
+        return chunk.ref.rows, chunk.ref.width, chunk.ref.dtype
+    t = chunk.inline
+    return int(t.shape[0]), int(t.shape[1]), t.dtype
+
+
+def chunk_nbytes(chunk: common_pb2.FeatureChunk) -> int:
+    """Bytes the chunk's rows hold, wherever they are."""
+    rows, width, dtype = chunk_format(chunk)
+    return rows * width * _ITEMSIZE.get(dtype, 4)
 
 
 class DraftFeed:
     def __init__(self, start: int = 0) -> None:
         self.start = start              # the first position not sent yet
-        self.chunks: list[bytes] = []
+        self.chunks: list[common_pb2.FeatureChunk] = []
         self.dtype = ""
         self.width = 0                  # K*H
-        self.rows = 0
+        self.nbytes = 0                 # inline bytes held here (refs hold the target's memory)
         self.token_ids: list[int] = []
 
     @property
@@ -24,10 +50,6 @@ class DraftFeed:
     def positions(self) -> list[int]:
         return list(range(self.start, self.end))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(len(c) for c in self.chunks)
-
     def reset(self) -> None:
         """Nothing pending, and the next token is position 0 (a rebuild sends everything)."""
         self.__init__()
@@ -36,23 +58,17 @@ class DraftFeed:
         """The draft took everything pending: the next token continues after it."""
         self.__init__(self.end)
 
-    def append(self, features: common_pb2.TensorData | None, token_ids: list[int]) -> None:
-        """features [n, K*H] (or None / empty when the draft needs none) of the next n positions."""
-        if features is not None and features.data:
-            rows, width = int(features.shape[0]), int(features.shape[1])
+    def append(self, chunk: common_pb2.FeatureChunk | None, token_ids: list[int]) -> None:
+        """The features [n, K*H] (or None when the draft needs none) of the next n positions."""
+        if chunk is not None:
+            rows, width, dtype = chunk_format(chunk)
             if rows != len(token_ids):
                 raise ValueError(f"{rows} feature rows for {len(token_ids)} positions")
-            if self.chunks and (features.dtype != self.dtype or width != self.width):
+            if self.chunks and (dtype != self.dtype or width != self.width):
                 raise ValueError(f"feature format changed from {self.dtype}[{self.width}] to "
-                                 f"{features.dtype}[{width}]")
-            self.chunks.append(features.data)
-            self.dtype, self.width = features.dtype, width
-            self.rows += rows
+                                 f"{dtype}[{width}]")
+            self.chunks.append(chunk)
+            self.dtype, self.width = dtype, width
+            if chunk.HasField("inline"):
+                self.nbytes += len(chunk.inline.data)
         self.token_ids += token_ids
-
-    def features(self) -> common_pb2.TensorData | None:
-        """All pending rows as one tensor (raw bytes concatenate along rows)."""
-        if not self.chunks:
-            return None
-        return common_pb2.TensorData(data=b"".join(self.chunks), dtype=self.dtype,
-                                     shape=[self.rows, self.width])

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from gateway.admission import Admission
 from gateway.draft_link import NO_DRAFTS, DraftLink
+from gateway.feed import answer_chunk, chunk_nbytes
 from gateway.output import OutputProcessor
 from gateway.request import GenerationRequest
 from gateway.state import GatewayState, Speculation
@@ -76,8 +77,7 @@ class Generation:
         self.telemetry = RequestTelemetry(state.metrics_model, arrival)
         rebuilds = Rebuilds()
         self.target = TargetLink(state, f"gw-{uuid.uuid4().hex[:24]}", req, rebuilds,
-                                 self.context, lambda: (self.draft.capture_layers,
-                                                        self.draft.feature_dtype))
+                                 self.context, lambda: self.draft.capture())
         self.draft = DraftLink(state, self.target, rebuilds)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -106,8 +106,9 @@ class Generation:
         self.draft.choose_capture(self.state.speculation())
         prompt = list(self.req.prompt_ids)
         resp = await self.target.prefill(prompt, 0)
-        self.telemetry.prefill_done(len(resp.features.data) if self.draft.capture_layers else None)
-        self.draft.keep(resp.features, prompt)
+        chunk = answer_chunk(resp)
+        self.telemetry.prefill_done(chunk_nbytes(chunk) if chunk is not None else None)
+        self.draft.keep(chunk, prompt)
         return self._deliver([resp.next_token], accepted=0)
 
     async def _step(self) -> Event:
@@ -120,15 +121,16 @@ class Generation:
         t1 = time.perf_counter()
         try:
             resp = await self.target.verify([anchor] + drafts.tokens,
-                                            [] if drafts.is_chain else drafts.parents)
+                                            [] if drafts.is_chain else drafts.parents,
+                                            self.draft.consumed(self.committed_len))
         except ProposalRefused as e:     # a draft's fault costs only this step's speculation
             log.warning("the target refused the draft's proposal (%s); this step verifies no "
                         "drafts", e.details, extra=self.target.ids)
             drafts = NO_DRAFTS
-            resp = await self.target.verify([anchor], [])
+            resp = await self.target.verify([anchor], [], self.draft.consumed(self.committed_len))
         t2 = time.perf_counter()
         committed = list(resp.committed_tokens)
-        self.draft.keep(resp.features, [anchor] + committed[:-1])
+        self.draft.keep(answer_chunk(resp), [anchor] + committed[:-1])
         n = len(drafts.tokens)
         self.usage.record_step(n, resp.accepted)
         event = self._deliver(committed, accepted=resp.accepted)

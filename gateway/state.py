@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from dflash.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from gateway import compat
 from gateway.config import GatewayConfig
+from gateway.planes import PlaneChoice
 from gateway.upstream import Upstream
 from runtime.tokenizer import ChatTokenizer, tokenizer_fingerprint
 from services.common import metrics
@@ -63,6 +64,7 @@ class GatewayState:
         self.ready = False
         self.reason = f"waiting for the target at {config.target}"
         self.decision = compat.Decision()
+        self.planes = PlaneChoice(config.capabilities_timeout_s)   # where features travel
         self.draft_ok = False            # speculation available now
         self.draft_seen = False          # the draft was usable once (then its absence degrades)
         self.draft_grace_over = False    # start-up deadline passed: serve without the draft
@@ -170,7 +172,9 @@ class GatewayState:
             self.decision = decision
             self.draft_ok = decision.ok
             if not decision.ok:
+                self.planes.off()
                 return False, "draft refused: " + "; ".join(decision.problems)
+            self.planes.refresh(tcaps, d)
             if not self.draft_seen:
                 log.info("speculative decoding on", extra={
                     "drafter": d.capabilities.drafter_kind, "block_size": decision.block_size,
@@ -178,6 +182,7 @@ class GatewayState:
             self.draft_seen = True
             return True, f"serving (speculative, block size {decision.block_size})"
         self.draft_ok = False
+        self.planes.off()
         if self.draft_seen or self.draft_grace_over:
             return True, f"serving autoregressively: draft at {d.address} is not serving ({d.status})"
         return False, f"waiting for the draft at {d.address}: {d.status}"

@@ -85,9 +85,9 @@ class Context:
 class TargetLink:
     def __init__(self, state: GatewayState, seq_id: str, req: GenerationRequest,
                  rebuilds: Rebuilds, context: Callable[[], Context],
-                 capture: Callable[[], tuple[list[int], str]]) -> None:
-        """context(): the request's committed context now; capture(): the feature layers and
-        dtype the draft wants from a Prefill (none when it needs no features)."""
+                 capture: Callable[[], tuple[list[int], str, str]]) -> None:
+        """context(): the request's committed context now; capture(): the feature layers, dtype
+        and plane the draft wants from a Prefill (no layers when it needs no features)."""
         self.state, self.config = state, state.config
         self.seq_id, self.req = seq_id, req
         self.rebuilds, self.context, self.capture = rebuilds, context, capture
@@ -101,11 +101,11 @@ class TargetLink:
         down or restarting, its pools full) it is simply sent again."""
         recovery = recovery or Recovery(self.config)
         while True:
-            layers, dtype = self.capture()
+            layers, dtype, plane = self.capture()
             req = target_pb2.PrefillRequest(
                 sequence_id=self.seq_id, token_ids=ids,
                 sampling=self.req.sampling_pb(self.prefills), capture_layers=layers,
-                feature_dtype=dtype, num_generated=num_generated)
+                feature_dtype=dtype, num_generated=num_generated, feature_plane=plane)
             try:
                 resp = await self.state.target.call("Prefill", req, self.config.prefill_timeout_s)
             except UpstreamError as e:
@@ -115,11 +115,14 @@ class TargetLink:
             self.prefills += 1
             return resp
 
-    async def verify(self, tokens: list[int], parents: list[int]) -> target_pb2.VerifyResponse:
+    async def verify(self, tokens: list[int], parents: list[int], features_consumed: int = 0
+                     ) -> target_pb2.VerifyResponse:
         """A Verify is not idempotent (it appends the block), so after a failure that may have
         lost the sequence or the answer, the sequence is rebuilt with a Prefill (which replaces
-        it) before Verify is sent again - never the same Verify twice."""
-        req = target_pb2.VerifyRequest(sequence_id=self.seq_id, token_ids=tokens, parents=parents)
+        it) before Verify is sent again - never the same Verify twice. features_consumed: the
+        draft holds the features of the positions below it (the target frees them)."""
+        req = target_pb2.VerifyRequest(sequence_id=self.seq_id, token_ids=tokens, parents=parents,
+                                       features_consumed=features_consumed)
         recovery = Recovery(self.config)
         while True:
             try:

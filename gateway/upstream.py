@@ -82,6 +82,7 @@ class Upstream:
         self.capabilities: Any = None
         self.status = "not contacted yet"      # for readiness reasons and logs
         self.generation = 0                     # +1 whenever fetched capabilities differ
+        self.serving_epoch = 0                  # +1 on every transition to SERVING
         self.model_name = ""                    # metrics label, set once known
         self._watch_call: Any = None
         self._task: asyncio.Task | None = None
@@ -203,6 +204,7 @@ class Upstream:
         if caps != self.capabilities:
             self.generation += 1            # a restart with the same capabilities keeps it
         self.capabilities = caps
+        self.serving_epoch += 1
         log.info("%s at %s is SERVING; capabilities fetched", self.role, self.address,
                  extra={"seconds": round(time.monotonic() - t0, 3)})
         self._set(True, "SERVING")

@@ -11,6 +11,7 @@ import pytest
 from support.draft_service import start_draft
 from support.gateway_stack import GreedyReference, generate_concurrently, start_gateway, wait_until
 from support.procs import ServiceProcess, start_target
+from support.target_client import TargetClient
 
 from dflash.make_draft import make_random_drafter
 from dflash.v1 import common_pb2, gateway_pb2
@@ -56,24 +57,39 @@ def dflash_dir(smollm2_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gateways(smollm2_dir, dflash_dir, target, logs):
-    """kind -> gateway; the drafts are started alongside."""
+def inband_target(smollm2_dir, logs):
+    """A target that offers no feature plane: features travel in messages."""
+    p = start_target(smollm2_dir, logs, "--feature-plane", "off")
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def gateways(smollm2_dir, dflash_dir, target, inband_target, logs):
+    """kind -> gateway; the drafts are started alongside. "dflash" reads the features from the
+    target's shared-memory plane, "dflash-inband" gets them in messages."""
     dflash = start_draft(smollm2_dir, logs, model_dir=dflash_dir)
     lookup = start_draft(smollm2_dir, logs, "--drafter", "prompt-lookup")
     gws = {"autoregressive": start_gateway(target.address, smollm2_dir, logs),
            "dflash": start_gateway(target.address, smollm2_dir, logs, draft=dflash.address),
+           "dflash-inband": start_gateway(inband_target.address, smollm2_dir, logs,
+                                          draft=dflash.address),
            "prompt-lookup": start_gateway(target.address, smollm2_dir, logs, draft=lookup.address)}
     yield gws
     for p in [*gws.values(), dflash, lookup]:
         p.stop()
 
 
-@pytest.mark.parametrize("kind", ["autoregressive", "dflash", "prompt-lookup"])
+SHM_PLANE = "features travel through the target's shm plane"
+
+
+@pytest.mark.parametrize("kind", ["autoregressive", "dflash", "dflash-inband", "prompt-lookup"])
 def test_greedy_output_is_token_identical_to_transformers(kind, gateways, prompts, reference):
     gw = gateways[kind]
     info = gw.stub.GetModelInfo(gateway_pb2.GetModelInfoRequest())
     assert info.speculative == (kind != "autoregressive")
-    assert info.drafter_kind == ("" if kind == "autoregressive" else kind)
+    assert info.drafter_kind == ("" if kind == "autoregressive" else kind.split("-inband")[0])
+    assert (SHM_PLANE in gw.log()) == (kind == "dflash")      # the transport really used
     drafted = accepted = 0
     for ids in prompts:
         tokens, _, responses = gw.generate(ids, N)
@@ -98,13 +114,16 @@ def test_concurrent_requests_are_each_exact(gateways, prompts, reference):
     assert all(results[i] == reference(ids, N) for i, ids in enumerate(prompts))
 
 
-def test_draft_killed_and_restarted_mid_request(smollm2_dir, dflash_dir, target, logs, prompts,
-                                                reference):
+@pytest.mark.parametrize("plane", ["shm", "off"])
+def test_draft_killed_and_restarted_mid_request(smollm2_dir, dflash_dir, target, inband_target,
+                                                logs, prompts, reference, plane):
     """Killed: the request goes on autoregressively. Restarted on the same port while the request
-    runs: the draft answers NOT_FOUND, the gateway rebuilds its context (a target prefill) and
-    speculation resumes. The output stays identical throughout."""
+    runs: the draft answers NOT_FOUND (or, with a plane it has not attached yet, DATA_LOSS), the
+    gateway rebuilds its context (a target prefill) and speculation resumes. The output stays
+    identical throughout, with features through the shared-memory plane or in messages."""
     draft = start_draft(smollm2_dir, logs, model_dir=dflash_dir)
-    gw = start_gateway(target.address, smollm2_dir, logs, draft=draft.address)
+    tgt = target if plane == "shm" else inband_target
+    gw = start_gateway(tgt.address, smollm2_dir, logs, draft=draft.address)
     ids, n = prompts[0], 120
     expected = reference(ids, n)
     restarted = None
@@ -130,18 +149,24 @@ def test_draft_killed_and_restarted_mid_request(smollm2_dir, dflash_dir, target,
                    what="speculation back on")
         tokens, _, responses = gw.generate(prompts[1], N)
         assert tokens == reference(prompts[1], N) and responses[-1].usage.draft_steps > 0
+        attached = gw.log().count(SHM_PLANE)             # attached again after the restart
+        assert attached >= 2 if plane == "shm" else attached == 0
     finally:
         for p in (gw, draft, restarted):
             if p is not None:
                 p.stop()
 
 
-def test_target_restarted_mid_request(smollm2_dir, logs, prompts, reference):
-    """The target dies and comes back on the same port during a request: the gateway waits for
-    it (bounded by the step deadline), prefills the committed tokens again, and the output has
-    nothing lost or repeated."""
-    target = start_target(smollm2_dir, logs)
-    gw = start_gateway(target.address, smollm2_dir, logs)      # autoregressive: a slow request
+@pytest.mark.parametrize("plane", ["shm", "off"])
+def test_target_restarted_mid_request(smollm2_dir, dflash_dir, logs, prompts, reference, plane):
+    """The target dies (kill -9) and comes back on the same port during a request: the gateway
+    waits for it (bounded by the step deadline), prefills the committed tokens again, and the
+    output has nothing lost or repeated. With a plane, the restarted target offers a new one,
+    the draft attaches it, and the dead target's shared memory is removed."""
+    target = start_target(smollm2_dir, logs, "--feature-plane", plane)
+    draft = start_draft(smollm2_dir, logs, model_dir=dflash_dir)
+    gw = start_gateway(target.address, smollm2_dir, logs, draft=draft.address)
+    dead_plane = [p.plane_id for p in TargetClient(target.address).capabilities().feature_planes]
     restarted = None
     ids, n = prompts[0], 96
     try:
@@ -157,7 +182,11 @@ def test_target_restarted_mid_request(smollm2_dir, logs, prompts, reference):
                                            target.port, logs).start()
         assert tokens == reference(ids, n)
         assert "target lost the sequence (UNAVAILABLE)" in gw.log()
+        if plane == "shm":
+            wait_until(lambda: gw.log().count(SHM_PLANE) >= 2, what="the new plane attached")
+        assert plane == "shm" or SHM_PLANE not in gw.log()
+        assert not any(os.path.exists(f"/dev/shm/dflash-features-{p}") for p in dead_plane)
     finally:
-        for p in (gw, target, restarted):
+        for p in (gw, target, restarted, draft):
             if p is not None:
                 p.stop()

@@ -173,20 +173,26 @@ def test_seed_offset_changes_the_seed_only_on_rebuilds():
 
 
 # -- feed -----------------------------------------------------------------------------------------------
-def test_feed_concatenates_raw_rows_of_consecutive_positions():
+def _inline(data: bytes, dtype: str, shape: list[int]) -> common_pb2.FeatureChunk:
+    return common_pb2.FeatureChunk(inline=common_pb2.TensorData(data=data, dtype=dtype, shape=shape))
+
+
+def test_feed_keeps_inline_and_plane_chunks_of_consecutive_positions_in_order():
     f = DraftFeed()
-    f.append(common_pb2.TensorData(data=b"\x01\x02" * 2, dtype="bfloat16", shape=[1, 2]), [7])
-    f.append(common_pb2.TensorData(data=b"\x03\x04" * 4, dtype="bfloat16", shape=[2, 2]), [8, 9])
-    t = f.features()
-    assert list(t.shape) == [3, 2] and t.data == b"\x01\x02" * 2 + b"\x03\x04" * 4
-    assert f.positions == [0, 1, 2] and f.token_ids == [7, 8, 9] and f.nbytes == 12
-    with pytest.raises(ValueError):
-        f.append(common_pb2.TensorData(data=b"\x00" * 4, dtype="float32", shape=[1, 1]), [1])
+    f.append(_inline(b"\x01\x02" * 2, "bfloat16", [1, 2]), [7])
+    ref = common_pb2.FeatureRef(plane="p", publication=3, offset=64, rows=2, width=2,
+                                dtype="bfloat16")
+    f.append(common_pb2.FeatureChunk(ref=ref), [8, 9])
+    assert [c.WhichOneof("where") for c in f.chunks] == ["inline", "ref"]
+    assert f.positions == [0, 1, 2] and f.token_ids == [7, 8, 9]
+    assert f.nbytes == 4                      # what the gateway holds: the inline bytes
+    with pytest.raises(ValueError, match="format changed"):
+        f.append(_inline(b"\x00" * 4, "float32", [1, 1]), [1])
     with pytest.raises(ValueError, match="2 feature rows for 1 positions"):
-        f.append(common_pb2.TensorData(data=b"\x03\x04" * 4, dtype="bfloat16", shape=[2, 2]), [1])
+        f.append(_inline(b"\x03\x04" * 4, "bfloat16", [2, 2]), [1])
     f.sent()                                  # the draft took them: the next rows continue
     f.append(None, [10, 11])
-    assert f.positions == [3, 4] and f.features() is None and f.nbytes == 0
+    assert f.positions == [3, 4] and f.chunks == [] and f.nbytes == 0
     f.reset()                                 # a rebuild: everything again from position 0
     f.append(None, [1, 2, 3])
     assert f.positions == [0, 1, 2]

@@ -75,11 +75,12 @@ def recovered_sequences(gateway_log: str, code: str) -> set[str]:
 
 
 def assert_released(st) -> None:
-    """KV pages, state slots and sequences back to zero on the target (releases are async)."""
+    """KV pages, state slots, feature plane and sequences back to zero on the target (releases
+    are async)."""
     def zero():
         return all(gauge(st.target_metrics, m) == 0 for m in (
             "dflash_kv_cache_usage_ratio", "dflash_state_pool_usage_ratio",
-            "dflash_sequences_active"))
+            "dflash_feature_plane_usage_ratio", "dflash_sequences_active"))
     wait_for(zero, 15, "target usage back to zero")
 
 

@@ -89,7 +89,8 @@ def test_soak(stack):
     seconds = time.monotonic() - t0
     # everything handed back
     handed_back(stack, "target", stack.target_metrics, (
-        "dflash_kv_cache_usage_ratio", "dflash_state_pool_usage_ratio", "dflash_sequences_active"))
+        "dflash_kv_cache_usage_ratio", "dflash_state_pool_usage_ratio",
+        "dflash_feature_plane_usage_ratio", "dflash_sequences_active"))
     handed_back(stack, "draft", stack.draft_metrics,
                 ("dflash_kv_cache_usage_ratio", "dflash_sequences_active"))
     gw_metrics = scrape(gw.http_port)

@@ -41,6 +41,12 @@ class FailedPrecondition(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class DataLoss(ServiceError):
+    """Features a message points to cannot be read (a stale or foreign plane reference): the
+    caller sends that context again in the message."""
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class DeadlineExceeded(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

@@ -50,6 +50,8 @@ WAITING = Gauge("dflash_requests_waiting", "Requests waiting for a slot (gateway
 KV_USAGE = Gauge("dflash_kv_cache_usage_ratio", "Fraction of KV pages in use", L + ["service"])
 STATE_USAGE = Gauge("dflash_state_pool_usage_ratio", "Fraction of recurrent state slots in use",
                     L + ["service"])
+FEATURE_PLANE_USAGE = Gauge("dflash_feature_plane_usage_ratio", "Fraction of the fullest feature "
+                            "plane held by features a draft has not taken yet", L + ["service"])
 SEQUENCES = Gauge("dflash_sequences_active", "Sequences holding cache in this service",
                   L + ["service"])
 READY = Gauge("dflash_ready", "1 when the service reports SERVING", L + ["service"])
@@ -92,7 +94,7 @@ EXPORTS: dict[str, Exports] = {
                    (REQUEST_SUCCESS, tuple((reason,) for reason in FINISH_REASONS)),
                    (UPSTREAM_ERRORS, tuple((up, code) for up in UPSTREAMS
                                            for code in UPSTREAM_CODES)))),
-    "target": _ENGINE,
+    "target": Exports(by_service=(*_ENGINE.by_service, FEATURE_PLANE_USAGE)),
     "draft": _ENGINE,
 }
 

@@ -1,6 +1,8 @@
 """TensorData <-> torch.Tensor: raw little-endian bytes + dtype + shape (never floats in lists)."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from dflash.v1 import common_pb2
@@ -27,7 +29,8 @@ def encode(t: torch.Tensor) -> common_pb2.TensorData:
 
 
 def decode(msg: common_pb2.TensorData, what: str = "tensor") -> torch.Tensor:
-    """Validates dtype and byte count; returns a CPU tensor of msg.shape."""
+    """Validates dtype and byte count; returns a CPU tensor of msg.shape that views the message's
+    bytes (no copy; never write to it - the consumer copies it once, to its device)."""
     dtype = wire_dtype(msg.dtype)
     numel = 1
     for d in msg.shape:
@@ -38,5 +41,7 @@ def decode(msg: common_pb2.TensorData, what: str = "tensor") -> torch.Tensor:
                               f"of {msg.dtype} ({expected} bytes expected)")
     if numel == 0:
         return torch.empty(tuple(msg.shape), dtype=dtype)
-    raw = torch.frombuffer(bytearray(msg.data), dtype=_BITS[dtype])
+    with warnings.catch_warnings():      # a view of the message's bytes, not a copy: read only
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        raw = torch.frombuffer(msg.data, dtype=_BITS[dtype])
     return raw.view(dtype).reshape(tuple(msg.shape))

@@ -33,6 +33,7 @@ from runtime.models.dflash import (
     target_layer_ids_problem,
 )
 from runtime.models.forward import ForwardBatch, ForwardOutput
+from services.common.feature_plane import join_rows
 from services.draft.config import AUTO_DTYPE, DraftConfig
 from services.draft.drafter import Drafter, DrafterFacts, DrafterRefused, ProposeItem
 
@@ -213,7 +214,7 @@ class DFlashDrafter(Drafter):
     def append(self, items: list[ProposeItem]) -> None:
         if not items:
             return
-        feats = torch.cat([i.features for i in items])                          # [N, K*H]
+        feats = join_rows([i.features for i in items], self.device)             # [N, K*H]
         positions = torch.cat([torch.arange(i.start, i.context_len) for i in items])
         slots = torch.tensor([s for i in items
                               for s in self.cache.slots(i.seq.table, i.start, i.context_len)],
@@ -312,3 +313,4 @@ def _read_checkpoint(model_dir: str) -> tuple[DFlashConfig, dict[str, tuple[int,
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise DrafterRefused(f"draft checkpoint {Path(model_dir)} is unusable: {e}") from None
     return cfg, shapes
+

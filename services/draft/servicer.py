@@ -1,11 +1,16 @@
 """dflash.v1.Draft servicer: protobuf <-> domain objects; request validation; nothing else."""
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
+
 import grpc
+import torch
 
 from dflash.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from services.common import call_stream, tensor_codec, validation
-from services.common.errors import InvalidArgument, NotReady, rpc
+from services.common.errors import DataLoss, InvalidArgument, NotReady, rpc
+from services.common.feature_plane import AttachedPlanes, PlaneInfo, PlaneRef, join_rows
 from services.draft.drafter import DrafterFacts
 from services.draft.engine import DraftEngine, ProposeCall
 
@@ -17,10 +22,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     """`stage` says what start-up is doing; `engine` is attached once warm-up is done. Until
     then every RPC answers UNAVAILABLE naming the stage."""
 
-    def __init__(self, lease_seconds: float = 0.0) -> None:
+    def __init__(self, lease_seconds: float = 0.0, device: str = "cpu") -> None:
         self.stage = "starting"
         self.engine: DraftEngine | None = None
         self.lease_seconds = lease_seconds
+        self.planes = AttachedPlanes(torch.device(device))
 
     def _ready(self) -> tuple[DrafterFacts, DraftEngine]:
         if self.engine is None or self.stage != "ready":
@@ -31,7 +37,23 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     @rpc
     async def GetCapabilities(self, request, context) -> draft_pb2.DraftCapabilities:
         facts, _ = self._ready()
-        return capabilities(facts, self.lease_seconds)
+        return capabilities(facts, self.lease_seconds, self.planes.transports)
+
+    @rpc
+    async def AttachPlane(self, request: common_pb2.FeaturePlane, context
+                          ) -> draft_pb2.AttachPlaneResponse:
+        """The gateway offers a target's feature plane: attached when this process can reach it
+        (the same host's shared memory, a CUDA IPC handle it can open); else the reason."""
+        facts, _ = self._ready()
+        if not facts.needs_features:
+            return draft_pb2.AttachPlaneResponse(attached=False, reason=f"drafter {facts.kind} "
+                                                 f"reads no features")
+        if request.transport not in self.planes.transports:
+            return draft_pb2.AttachPlaneResponse(
+                attached=False, reason=f"transport {request.transport!r} not readable here "
+                                       f"(readable: {self.planes.transports})")
+        why = await asyncio.to_thread(self.planes.attach, PlaneInfo.from_pb(request))
+        return draft_pb2.AttachPlaneResponse(attached=not why, reason=why)
 
     Propose, ProposeStream = call_stream.unary_and_stream("Propose", "propose",
                                                           draft_pb2.ProposeStreamResponse)
@@ -39,7 +61,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         """Request -> engine call -> response: the one path of Propose and ProposeStream."""
         facts, engine = self._ready()
-        result = await engine.propose(propose_call(request, facts))
+        result = await engine.propose(propose_call(request, facts, self.planes))
         return draft_pb2.ProposeResponse(draft_tokens=result.draft_tokens,
                                          context_len=result.context_len,
                                          draft_parents=result.draft_parents)
@@ -51,7 +73,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         return common_pb2.ReleaseResponse(released=released)
 
 
-def propose_call(request: draft_pb2.ProposeRequest, facts: DrafterFacts) -> ProposeCall:
+def propose_call(request: draft_pb2.ProposeRequest, facts: DrafterFacts,
+                 planes: AttachedPlanes | None = None) -> ProposeCall:
     """Checks what needs no sequence state; the engine checks continuity with the sequence."""
     seq_id = validation.sequence_id(request.sequence_id)
     block = request.block_size or facts.block_size
@@ -68,7 +91,10 @@ def propose_call(request: draft_pb2.ProposeRequest, facts: DrafterFacts) -> Prop
         need = "must" if facts.needs_tokens else "when given, must"
         raise InvalidArgument(f"new_token_ids {need} have one id per position: expected "
                               f"{len(positions)}, got {len(ids)}")
-    features = _features(request, facts, len(positions)) if facts.needs_features else None
+    features = None
+    if facts.needs_features:
+        features = (_chunks(request, facts, len(positions), planes) if request.feature_chunks
+                    else _features(request.new_features, facts, len(positions), "new_features"))
     nodes = request.tree_nodes
     if nodes > facts.max_tree_nodes:
         raise InvalidArgument(f"tree_nodes {nodes} is not allowed: this drafter builds trees of "
@@ -92,27 +118,60 @@ def _check_positions(positions: list[int]) -> int:
     return start
 
 
-def _features(request: draft_pb2.ProposeRequest, facts: DrafterFacts, rows: int):
-    msg = request.new_features
+def _features(msg: common_pb2.TensorData, facts: DrafterFacts, rows: int, what: str):
     if not msg.data and not msg.shape:
         if rows == 0:
             return None
-        raise InvalidArgument(f"new_features is missing: {rows} positions need a "
+        raise InvalidArgument(f"{what} is missing: {rows} positions need a "
                               f"[{rows}, {facts.feature_width}] {facts.feature_dtype} tensor")
-    if msg.dtype != facts.feature_dtype:
-        raise InvalidArgument(f"new_features dtype {msg.dtype or '(unset)'!r}: this drafter takes "
-                              f"{facts.feature_dtype!r} (its --feature-dtype)")
-    expected = [rows, facts.feature_width]
-    if list(msg.shape) != expected:
-        raise InvalidArgument(
-            f"new_features shape {list(msg.shape)}: expected {expected} = [one row per position, "
-            f"K*H = {len(facts.target_layer_ids)} target layers {list(facts.target_layer_ids)} x "
-            f"hidden {facts.hidden_size}]")
-    features = tensor_codec.decode(msg, "new_features")
+    _check_format(what, msg.dtype, list(msg.shape), rows, facts)
+    features = tensor_codec.decode(msg, what)
     return features if rows else None
 
 
-def capabilities(facts: DrafterFacts, lease_seconds: float) -> draft_pb2.DraftCapabilities:
+def _check_format(what: str, dtype: str, shape: list[int], rows: int, facts: DrafterFacts) -> None:
+    if dtype != facts.feature_dtype:
+        raise InvalidArgument(f"{what} dtype {dtype or '(unset)'!r}: this drafter takes "
+                              f"{facts.feature_dtype!r} (its --feature-dtype)")
+    expected = [rows, facts.feature_width]
+    if shape != expected:
+        raise InvalidArgument(
+            f"{what} shape {shape}: expected {expected} = [one row per position, "
+            f"K*H = {len(facts.target_layer_ids)} target layers {list(facts.target_layer_ids)} x "
+            f"hidden {facts.hidden_size}]")
+
+
+def _chunks(request: draft_pb2.ProposeRequest, facts: DrafterFacts, rows: int,
+            planes: AttachedPlanes | None) -> torch.Tensor | None:
+    """feature_chunks -> one tensor [rows, K*H]: a single chunk stays a view (of the message's
+    bytes or of the plane); several are joined (join_rows). A ref that cannot be read is
+    DataLoss: the gateway sends those features again."""
+    if request.new_features.data or request.new_features.shape:
+        raise InvalidArgument("send features either in new_features or in feature_chunks, not both")
+    parts = []
+    for i, chunk in enumerate(request.feature_chunks):
+        what = f"feature_chunks[{i}]"
+        if chunk.HasField("ref"):
+            ref = chunk.ref
+            _check_format(what, ref.dtype, [ref.rows, ref.width], ref.rows, facts)
+            if planes is None:
+                raise DataLoss(f"{what}: this draft reads no feature planes")
+            parts.append(planes.read(PlaneRef.from_pb(ref)))
+        else:
+            msg = chunk.inline
+            _check_format(what, msg.dtype, list(msg.shape), msg.shape[0] if msg.shape else 0, facts)
+            parts.append(tensor_codec.decode(msg, what))
+    total = sum(p.shape[0] for p in parts)
+    if total != rows:
+        raise InvalidArgument(f"feature_chunks hold {total} rows for {rows} positions: one row "
+                              f"per position expected")
+    if rows == 0:
+        return None
+    return join_rows(parts, planes.device if planes is not None else torch.device("cpu"))
+
+
+def capabilities(facts: DrafterFacts, lease_seconds: float, transports: Sequence[str] = ()
+                 ) -> draft_pb2.DraftCapabilities:
     t = facts.target
     return draft_pb2.DraftCapabilities(
         protocol_version=PROTOCOL_VERSION, drafter_kind=facts.kind, block_size=facts.block_size,
@@ -122,7 +181,8 @@ def capabilities(facts: DrafterFacts, lease_seconds: float) -> draft_pb2.DraftCa
                                            num_layers=t.num_layers, tokenizer_hash=t.tokenizer_hash),
         max_block_size=facts.max_block_size, needs_features=facts.needs_features,
         model_id=facts.model_id, lease_seconds=int(lease_seconds),
-        max_tree_nodes=facts.max_tree_nodes)
+        max_tree_nodes=facts.max_tree_nodes,
+        feature_transports=list(transports) if facts.needs_features else [])
 
 
 def add_to_server(servicer: DraftServicer, server: grpc.aio.Server) -> list[str]:

@@ -41,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               "feature layers the graphed verify returns (the drafter's target_layer_ids)")
     flags.add(p, "--verify-state-slots", -1, int, "hybrid models: sequences that can verify blocks "
               "of 2+ tokens (intermediate states; -1 = --state-slots)")
+    flags.add(p, "--feature-plane", "auto", str, "where features of committed positions are "
+              "published for a draft on this host or GPU instead of sent through the gateway: "
+              "auto (cuda-ipc on CUDA, and shm) | shm | cuda-ipc | off (always in messages)")
+    flags.add(p, "--feature-plane-mib", 512, int, "size of each feature plane (full: features "
+              "go in messages)")
     args = p.parse_args(argv)
     if not args.model:
         p.error("--model (or DFLASH_MODEL) is required")
@@ -62,7 +67,8 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         state_slots=args.state_slots, model_id=args.model_id,
         cuda_graphs=not args.no_cuda_graphs, graph_block_sizes=args.graph_block_sizes,
         graph_tree_sizes=args.graph_tree_sizes, graph_capture_layers=args.graph_capture_layers,
-        verify_state_slots=args.verify_state_slots, cpu_gemm=args.cpu_gemm)
+        verify_state_slots=args.verify_state_slots, cpu_gemm=args.cpu_gemm,
+        feature_plane=args.feature_plane, feature_plane_mib=args.feature_plane_mib)
 
 
 async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from runtime.draft_tree import DraftTree
 from runtime.sampling import SamplingConfig
+from services.common.feature_plane import PlaneRef
 
 
 @dataclass(frozen=True)
@@ -19,12 +20,18 @@ class PrefillCall:
     capture_layers: tuple[int, ...]
     feature_dtype: torch.dtype
     num_generated: int = 0
+    feature_plane: str = ""             # publish the features there ("" = in the answer)
+
+
+# Features in an answer: a host tensor [rows, K*H] in the requested dtype, a reference to them in
+# the sequence's plane, or None (no capture).
+Features = torch.Tensor | PlaneRef | None
 
 
 @dataclass(frozen=True)
 class PrefillResult:
     next_token: int
-    features: torch.Tensor | None       # [L, K*H] in the requested dtype (CPU)
+    features: Features                  # [L, K*H]
     seq_len: int
 
 
@@ -33,6 +40,7 @@ class VerifyCall:
     tokens: list[int]                   # [anchor, d1..dn]
     tree: DraftTree | None = None       # the drafts' parents (checked by the servicer);
                                         # None = a chain
+    features_consumed: int = 0          # the draft holds positions below this (frees publications)
 
     @property
     def drafts(self) -> list[int]:
@@ -48,5 +56,5 @@ class VerifyCall:
 class VerifyResult:
     accepted: int
     committed: list[int]
-    features: torch.Tensor | None       # [a+1, K*H]
+    features: Features                  # [a+1, K*H]
     seq_len: int

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM
 
+PLANE_CHOICES = ("auto", "shm", "cuda-ipc", "off")     # --feature-plane
+
 
 @dataclass(frozen=True)
 class TargetConfig:
@@ -31,6 +33,10 @@ class TargetConfig:
     # hybrid: sequences that can verify blocks of 2+ tokens (-1 = state_slots); see runtime/state_pool.py
     verify_state_slots: int = -1
     cpu_gemm: str = DEFAULT_CPU_GEMM   # fp32 CPU GEMM (runtime/layers/linear.py): auto | onednn | torch
+    # where features can be published (services/target/publisher.py); the service's flag
+    # defaults to auto, in-process users (training, benchmarks) need no plane
+    feature_plane: str = "off"
+    feature_plane_mib: int = 512       # size of each feature plane
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_block_size < 1 or self.token_budget < self.max_block_size:
@@ -40,6 +46,9 @@ class TargetConfig:
                              f"{self.max_tree_nodes}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.feature_plane not in PLANE_CHOICES or self.feature_plane_mib < 1:
+            raise ValueError(f"feature plane {self.feature_plane!r} of {self.feature_plane_mib} MiB: "
+                             f"allowed {' | '.join(PLANE_CHOICES)}, at least 1 MiB")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu gemm {self.cpu_gemm!r} is not offered by this torch build; "
                              f"allowed: {sorted(CPU_GEMMS)}")

@@ -21,10 +21,12 @@ from runtime.acceptance import (
 from runtime.draft_tree import DraftTree
 from services.common import metrics
 from services.common.engine_loop import Work
+from services.common.feature_plane import PlaneRef, Publication
 from services.common.sequence_engine import SequenceEngine
 from services.target.batch import BatchPlan, Scheduled
 from services.target.calls import PrefillCall, PrefillResult, VerifyCall, VerifyResult
-from services.target.features import FeatureFetch
+from services.target.features import Destination, FeatureFetch
+from services.target.publisher import FeaturePublisher, plane_transports
 from services.target.scheduler import TargetScheduler
 from services.target.sequence import TargetSequence
 from services.target.worker import TargetWorker
@@ -39,17 +41,22 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         self.scheduler = TargetScheduler(worker, self.seqs, self._release, self._answer,
                                          self._refuse)
         self.forced = worker.hooks.forced_acceptance     # benchmarks only (TargetHooks)
+        cfg = worker.config
+        self.publisher = FeaturePublisher(plane_transports(cfg.feature_plane, worker.device),
+                                          cfg.feature_plane_mib << 20, worker.device)
 
     # -- API used by the servicer (awaitable) ------------------------------------------------
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         return await self.loop.submit(Work("prefill", call.seq_id, call, cost=len(call.token_ids),
                                            splittable=True))
 
-    async def verify(self, seq_id: str, tokens: list[int],
-                     tree: DraftTree | None = None) -> VerifyResult:
+    async def verify(self, seq_id: str, tokens: list[int], tree: DraftTree | None = None,
+                     features_consumed: int = 0) -> VerifyResult:
         """tokens [anchor, d1..dn]; tree: their parents, checked by the caller
-        (runtime.draft_tree.tree_problem); None or a chain's parents: a chain."""
-        call = VerifyCall(tokens, tree if tree is not None and not tree.is_chain else None)
+        (runtime.draft_tree.tree_problem); None or a chain's parents: a chain.
+        features_consumed: the draft holds the features of positions below it."""
+        call = VerifyCall(tokens, tree if tree is not None and not tree.is_chain else None,
+                          features_consumed)
         return await self.loop.submit(Work("verify", seq_id, call, cost=len(tokens)))
 
     # -- engine thread -------------------------------------------------------------------------
@@ -78,7 +85,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
             if acc is None:
                 self._prefill_chunk_done(part.item, f, d.token)
             else:
-                self._answer(part.item.work, VerifyResult(acc.accepted, acc.tokens, f,
+                self._answer(part.item.work, VerifyResult(acc.accepted, acc.tokens, _ref(f),
                                                           part.item.seq.seq_len))
         self._commit_mamba_states(plan, accepted)
         self.stats.record_forward(len(items), len(plan.ids), time.perf_counter() - t0)
@@ -111,6 +118,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         else:
             acc = chain_acceptance(call.drafts, decided.accepted, decided.token)
         seq.commit(acc.accepted + 1)
+        self.publisher.consumed(seq, call.features_consumed)
         self.worker.kv_cache.trim(seq.table, seq.seq_len)
         self.stats.record_verify(len(call.drafts), acc.accepted)
         return acc
@@ -125,17 +133,38 @@ class TargetEngine(SequenceEngine[TargetSequence]):
                                                 [start + j for _, j in moved])
 
     def _features(self, plan: BatchPlan, captured: torch.Tensor | None,
-                  accepted: list[Acceptance | None]) -> list[torch.Tensor | None]:
-        """Every part's committed rows of the tapped layers, on the host (one transfer)."""
-        fetch = FeatureFetch(captured, plan.capture)
+                  accepted: list[Acceptance | None]) -> list[torch.Tensor | Publication | None]:
+        """Every part's committed rows of the tapped layers: on the host (one transfer), or
+        written to the sequence's plane (then synchronized: the draft reads them next)."""
+        fetch = FeatureFetch(captured, plan.capture, self.publisher)
         for part, acc in zip(plan.parts, accepted):
-            fetch.add(part.item.seq, part.row, acc.rows if acc is not None else range(part.item.n))
-        return fetch.fetch()
+            rows = acc.rows if acc is not None else range(part.item.n)
+            fetch.add(part.item.seq, part.row, rows, self._destination(part.item, len(rows)))
+        features = fetch.fetch()
+        self.publisher.sync(self.worker.device)
+        return features
 
-    def _prefill_chunk_done(self, item: Scheduled, features: torch.Tensor | None,
+    def _destination(self, item: Scheduled, rows: int) -> Destination:
+        """Where a part's committed rows go when its sequence publishes them (None: the answer):
+        a Verify's rows as a publication of their own; a prompt's chunks into one publication of
+        the whole prompt, reserved at its first chunk."""
+        seq = item.seq
+        if not seq.feature_plane or not seq.capture_layers:
+            return None
+        width = len(seq.capture_layers) * self.worker.facts.hidden_size
+        if item.is_verify:
+            pub = self.publisher.reserve(seq, rows, width, seq.seq_len)
+            return (pub, 0) if pub is not None else None
+        if "publication" not in item.work.state:
+            total = len(item.prefill.token_ids)
+            item.work.state["publication"] = self.publisher.reserve(seq, total, width, total)
+        pub = item.work.state["publication"]
+        return (pub, item.start) if pub is not None else None
+
+    def _prefill_chunk_done(self, item: Scheduled, features: torch.Tensor | Publication | None,
                             token: int | None) -> None:
         work, seq, finished = item.work, item.seq, item.finishes
-        if features is not None:
+        if isinstance(features, torch.Tensor):
             work.state["features"].append(features)
         work.done_tokens += item.n
         seq.seq_len = work.done_tokens
@@ -144,9 +173,9 @@ class TargetEngine(SequenceEngine[TargetSequence]):
             return
         seq.prefilling = False
         seq.num_generated += 1
-        chunks = work.state.pop("features")
-        self._answer(work, PrefillResult(token, torch.cat(chunks) if chunks else None,
-                                         seq.seq_len))
+        chunks, pub = work.state.pop("features"), work.state.get("publication")
+        features = pub.ref if pub is not None else torch.cat(chunks) if chunks else None
+        self._answer(work, PrefillResult(token, features, seq.seq_len))
 
     def _commit_mamba_states(self, plan: BatchPlan, accepted: list[Acceptance | None]) -> None:
         """Hybrid models: each verified sequence keeps the recurrent state of its last
@@ -158,6 +187,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
 
     # -- SequenceEngine --------------------------------------------------------------------------
     def _free(self, seq: TargetSequence) -> None:
+        self.publisher.drop(seq)
         self.worker.kv_cache.release(seq.table)
         if seq.state_slot is not None:
             self.worker.state_pool.free(seq.state_slot)
@@ -166,9 +196,14 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         return self.worker.kv_cache.usage()
 
     def _publish_more(self) -> None:
+        lb = metrics.labels()
+        metrics.FEATURE_PLANE_USAGE.labels(lb.model_name, lb.service).set(self.publisher.usage())
         if (pool := self.worker.state_pool) is not None:
-            lb = metrics.labels()
             metrics.STATE_USAGE.labels(lb.model_name, lb.service).set(pool.usage())
+
+
+def _ref(features: torch.Tensor | Publication | None) -> torch.Tensor | PlaneRef | None:
+    return features.ref if isinstance(features, Publication) else features
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -1,46 +1,61 @@
 """Feature transfer: the tapped layers' hidden states of the rows each sequence commits, brought
-from the device to the host for the draft."""
+from the device to the host for the draft, or written to the sequence's feature plane."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
 
+from services.common.feature_plane import Publication
+from services.target.publisher import FeaturePublisher
 from services.target.sequence import TargetSequence
+
+# where a request's rows go: (publication, its first row written) in a plane; None: to the host
+Destination = tuple[Publication, int] | None
 
 
 class FeatureFetch:
-    """Collects (sequence, first row, rows) requests over one forward's captured features
-    [T, K*H] and brings them to the host together: one gather and one pinned device->host
-    copy per distinct (layers, dtype) group - one in the usual case where every sequence asks
-    for the same layers - instead of one transfer per sequence."""
+    """Collects (sequence, first row, rows, destination) requests over one forward's captured
+    features [T, K*H] and moves them together: per distinct (layers, dtype) group - one in the
+    usual case where every sequence asks for the same layers - one gather and one pinned
+    device->host copy for the rows that go in messages, and one gather for the rows published
+    in planes (then a copy into each publication), instead of one transfer per sequence."""
 
-    def __init__(self, captured: torch.Tensor | None, capture: tuple[int, ...]) -> None:
-        self.captured, self.capture = captured, capture
-        # (layers, dtype, first row of the sequence's part, its rows wanted) per request
-        self.requests: list[tuple[tuple[int, ...], torch.dtype, int, Sequence[int]] | None] = []
+    def __init__(self, captured: torch.Tensor | None, capture: tuple[int, ...],
+                 publisher: FeaturePublisher) -> None:
+        self.captured, self.capture, self.publisher = captured, capture, publisher
+        # (layers, dtype, first row of the sequence's part, its rows wanted, destination)
+        self.requests: list[tuple[tuple[int, ...], torch.dtype, int, Sequence[int],
+                                  Destination] | None] = []
 
-    def add(self, seq: TargetSequence, first: int, rows: Sequence[int]) -> None:
+    def add(self, seq: TargetSequence, first: int, rows: Sequence[int],
+            dest: Destination = None) -> None:
         """rows: of the sequence's part of the forward, which starts at row `first`."""
         if self.captured is None or not seq.capture_layers:
             self.requests.append(None)
         else:
-            self.requests.append((seq.capture_layers, seq.feature_dtype, first, rows))
+            self.requests.append((seq.capture_layers, seq.feature_dtype, first, rows, dest))
 
-    def fetch(self) -> list[torch.Tensor | None]:
-        """Per request, a host tensor [rows, len(layers)*H] in its dtype (None: none asked)."""
-        out: list[torch.Tensor | None] = [None] * len(self.requests)
+    def fetch(self) -> list[torch.Tensor | Publication | None]:
+        """Per request, a host tensor [rows, len(layers)*H] in its dtype, the publication its
+        rows were written to, or None (none asked)."""
+        out: list[torch.Tensor | Publication | None] = [None] * len(self.requests)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(self.requests):
             if r is not None:
-                groups.setdefault(r[:2], []).append(i)
-        for (layers, dtype), members in groups.items():
+                groups.setdefault((r[0], r[1], r[4] is not None), []).append(i)
+        for (layers, dtype, published), members in groups.items():
             rows = self._columns(self._rows(members), layers).to(dtype)
-            host = to_host(rows)
+            if not published:
+                rows = to_host(rows)
             start = 0
             for i in members:
-                n = len(self.requests[i][3])
-                out[i] = host[start: start + n]
+                n, dest = len(self.requests[i][3]), self.requests[i][4]
+                if dest is None:
+                    out[i] = rows[start: start + n]
+                else:
+                    self.publisher.write(dest[0], dest[1], rows[start: start + n])
+                    out[i] = dest[0]
                 start += n
         return out
 

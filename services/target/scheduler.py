@@ -122,7 +122,8 @@ class TargetScheduler:
             generator = torch.Generator(device=self.worker.device)
             generator.manual_seed(seed)
         seq = TargetSequence(call.seq_id, call.sampling, call.capture_layers, call.feature_dtype,
-                             generator, num_generated=call.num_generated)
+                             generator, num_generated=call.num_generated,
+                             feature_plane=call.feature_plane)
         if self.worker.facts.hybrid:
             try:
                 seq.state_slot = self.worker.state_pool.allocate(call.seq_id)

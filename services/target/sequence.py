@@ -8,6 +8,7 @@ import torch
 
 from runtime.kv_cache import PageTable
 from runtime.sampling import SamplingConfig
+from services.common.feature_plane import Publication
 
 
 @dataclass
@@ -23,6 +24,9 @@ class TargetSequence:
     state_slot: int | None = None   # hybrid models: live recurrent state slot
     prefilling: bool = True         # until the last prompt chunk has run (Verify waits)
     last_used: float = field(default_factory=time.monotonic)
+    feature_plane: str = ""         # the plane its features are published in ("" = messages)
+    # its publications not yet freed, in position order, each with the position it ends before
+    publications: list[tuple[Publication, int]] = field(default_factory=list)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()

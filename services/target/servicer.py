@@ -1,12 +1,16 @@
 """dflash.v1.Target servicer: protobuf <-> domain objects; validation; nothing else."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 
 from dflash.v1 import common_pb2, target_pb2, target_pb2_grpc
 from runtime.draft_tree import DraftTree, tree_problem
 from services.common import call_stream, tensor_codec, validation
 from services.common.errors import InvalidArgument, NotReady, rpc
+from services.common.feature_plane import PlaneInfo, PlaneRef
+from services.target.calls import Features
 from services.target.engine import PrefillCall, TargetEngine
 from services.target.worker import TargetWorker
 
@@ -36,8 +40,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     @rpc
     async def GetCapabilities(self, request, context) -> target_pb2.TargetCapabilities:
-        worker, _ = self._ready_engine()
-        return capabilities(worker)
+        worker, engine = self._ready_engine()
+        return capabilities(worker, engine.publisher.planes())
 
     @rpc
     async def Prefill(self, request: target_pb2.PrefillRequest, context) -> target_pb2.PrefillResponse:
@@ -61,11 +65,10 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             seq_id=validation.sequence_id(request.sequence_id), token_ids=ids,
             sampling=validation.sampling(request.sampling, f.vocab_size), capture_layers=layers,
             feature_dtype=tensor_codec.wire_dtype(request.feature_dtype or "bfloat16"),
-            num_generated=request.num_generated)
+            num_generated=request.num_generated, feature_plane=request.feature_plane)
         result = await engine.prefill(call)
-        return target_pb2.PrefillResponse(
-            next_token=result.next_token, seq_len=result.seq_len,
-            features=tensor_codec.encode(result.features) if result.features is not None else None)
+        return target_pb2.PrefillResponse(next_token=result.next_token, seq_len=result.seq_len,
+                                          **_features(result.features))
 
     Verify, VerifyStream = call_stream.unary_and_stream("Verify", "verify",
                                                         target_pb2.VerifyStreamResponse)
@@ -82,16 +85,25 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             max_b = worker.config.max_block_size
             raise InvalidArgument(f"a verify block has {len(ids)} tokens; allowed 1..{max_b} "
                                   f"(anchor + up to {max_b - 1} drafts)")
-        result = await engine.verify(seq_id, ids, tree)
+        result = await engine.verify(seq_id, ids, tree, request.features_consumed)
         return target_pb2.VerifyResponse(
             accepted=result.accepted, committed_tokens=result.committed, seq_len=result.seq_len,
-            features=tensor_codec.encode(result.features) if result.features is not None else None)
+            **_features(result.features))
 
     @rpc
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
         _, engine = self._ready_engine()
         released = await engine.release(validation.sequence_id(request.sequence_id))
         return common_pb2.ReleaseResponse(released=released)
+
+
+def _features(features: Features) -> dict:
+    """An answer's features: in the message (TensorData), or a reference into a plane."""
+    if features is None:
+        return {}
+    if isinstance(features, PlaneRef):
+        return {"feature_ref": features.to_pb()}
+    return {"features": tensor_codec.encode(features)}
 
 
 def _checked_tree(ids: list[int], parents: list[int], worker: TargetWorker) -> DraftTree:
@@ -110,7 +122,9 @@ def _checked_tree(ids: list[int], parents: list[int], worker: TargetWorker) -> D
     return tree
 
 
-def capabilities(worker: TargetWorker) -> target_pb2.TargetCapabilities:
+def capabilities(worker: TargetWorker, planes: Sequence[PlaneInfo] = ()
+                 ) -> target_pb2.TargetCapabilities:
+    """planes: the engine's feature planes (none before it exists)."""
     f, cfg = worker.facts, worker.config
     return target_pb2.TargetCapabilities(
         protocol_version=PROTOCOL_VERSION, model_id=f.model_id, architecture=f.architecture,
@@ -123,7 +137,8 @@ def capabilities(worker: TargetWorker) -> target_pb2.TargetCapabilities:
         kv_pages_total=worker.kv_cache.usable_pages, kv_page_size=cfg.page_size,
         state_slots_total=worker.state_pool.num_slots if worker.state_pool is not None else 0,
         feature_dtypes=sorted(tensor_codec.WIRE_DTYPES), lease_seconds=int(cfg.lease_seconds),
-        max_tree_nodes=worker.max_tree_nodes)
+        max_tree_nodes=worker.max_tree_nodes,
+        feature_planes=[p.to_pb() for p in planes])
 
 
 def add_to_server(servicer: TargetServicer, server: grpc.aio.Server) -> list[str]:

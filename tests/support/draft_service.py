@@ -15,9 +15,10 @@ SERVICE = "dflash.v1.Draft"
 
 def start_draft(target_dir: str | Path | None, log_dir: Path, *extra: str,
                 model_dir: str | Path | None = None, wait: bool = True,
-                env: dict[str, str] | None = None, hooks: HookFlags = NO_HOOK_FLAGS
-                ) -> ServiceProcess:
-    """target_dir / model_dir None: not passed as flags (e.g. given through DFLASH_* env)."""
+                env: dict[str, str] | None = None, hooks: HookFlags = NO_HOOK_FLAGS,
+                prefix: list[str] | None = None) -> ServiceProcess:
+    """target_dir / model_dir None: not passed as flags (e.g. given through DFLASH_* env);
+    prefix: a command the draft runs under."""
     port = free_port()
     args = ["--port", str(port), "--host", "127.0.0.1", *extra]
     if target_dir is not None:
@@ -25,7 +26,7 @@ def start_draft(target_dir: str | Path | None, log_dir: Path, *extra: str,
     if model_dir is not None:
         args = ["--model", str(model_dir), *args]
     module, args = service_command("draft", args, hooks)
-    p = ServiceProcess(module, args, SERVICE, port, log_dir, env).start()
+    p = ServiceProcess(module, args, SERVICE, port, log_dir, env, prefix).start()
     return p.wait_serving() if wait else p
 
 

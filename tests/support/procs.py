@@ -37,21 +37,24 @@ class ServiceProcess:
     """`python -m <module> <args>` with its log in a file; stopped with SIGTERM (then KILL)."""
 
     def __init__(self, module: str, args: list[str], service: str, port: int,
-                 log_dir: Path, env: dict[str, str] | None = None) -> None:
+                 log_dir: Path, env: dict[str, str] | None = None,
+                 prefix: list[str] | None = None) -> None:
+        """prefix: a command the process runs under (e.g. a private /dev/shm)."""
         self.module, self.args, self.service, self.port = module, args, service, port
+        self.prefix = prefix or []
         self.address = f"127.0.0.1:{port}"
         self.log_path = Path(log_dir) / f"{module.replace('.', '_')}_{port}.log"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "ServiceProcess":
+    def start(self) -> ServiceProcess:
         self.log_file = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args],
+        self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", self.module, *self.args],
                                      cwd=REPO, env=self.env, stdout=self.log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
-    def wait_serving(self, timeout: float = 180.0) -> "ServiceProcess":
+    def wait_serving(self, timeout: float = 180.0) -> ServiceProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,94 @@
+"""The target's feature planes and what each sequence has published in them (engine thread).
+
+A sequence prefilled with `feature_plane` set publishes there: its Prefill as one publication of
+every prompt row (reserved at the first chunk, each chunk writes its rows), each Verify's
+committed rows as one more. A publication is freed when a Verify says the draft holds the
+positions it covers (features_consumed), or when the sequence goes. A plane that is full, or one
+this target does not have (it restarted since the gateway chose it), means the features go in
+the message: never an error."""
+from __future__ import annotations
+
+import atexit
+import logging
+
+import torch
+
+from services.common.feature_plane import PlaneInfo, PlaneWriter, Publication
+from services.target.config import PLANE_CHOICES
+from services.target.sequence import TargetSequence
+
+log = logging.getLogger("dflash.target.publisher")
+
+
+def plane_transports(choice: str, device: torch.device) -> list[str]:
+    """--feature-plane -> the transports to offer (auto: CUDA IPC on a CUDA device, and shared
+    memory everywhere)."""
+    if choice not in PLANE_CHOICES:
+        raise ValueError(f"--feature-plane {choice!r}: allowed {' | '.join(PLANE_CHOICES)}")
+    if choice == "off":
+        return []
+    if choice == "auto":
+        return (["cuda-ipc"] if device.type == "cuda" else []) + ["shm"]
+    if choice == "cuda-ipc" and device.type != "cuda":
+        raise ValueError("--feature-plane cuda-ipc needs --device cuda")
+    return [choice]
+
+
+class FeaturePublisher:
+    def __init__(self, transports: list[str], size_bytes: int, device: torch.device) -> None:
+        self.writers: dict[str, PlaneWriter] = {}
+        for transport in transports:
+            try:
+                writer = PlaneWriter(transport, size_bytes, device)
+            except (OSError, RuntimeError) as e:    # no /dev/shm, no memory: in-band only
+                log.warning("feature plane %s unavailable: %s", transport, e)
+                continue
+            self.writers[writer.plane_id] = writer
+            atexit.register(writer.close)
+            log.info("feature plane ready", extra={"plane": writer.plane_id,
+                                                  "transport": transport, "bytes": size_bytes})
+        self.device_writes = False       # CUDA copies queued since the last sync()
+
+    def planes(self) -> list[PlaneInfo]:
+        return [w.info for w in self.writers.values()]
+
+    def reserve(self, seq: TargetSequence, rows: int, width: int, end: int
+                ) -> Publication | None:
+        """A publication of `rows` positions ending before position `end` for the sequence, in
+        its plane; None: send them in the message."""
+        writer = self.writers.get(seq.feature_plane)
+        if writer is None:
+            return None
+        pub = writer.reserve(rows, width, seq.feature_dtype)
+        if pub is not None:
+            seq.publications.append((pub, end))
+        return pub
+
+    def write(self, pub: Publication, first_row: int, rows: torch.Tensor) -> None:
+        writer = self.writers[pub.ref.plane]
+        writer.write(pub, first_row, rows)
+        self.device_writes |= writer.transport == "cuda-ipc"
+
+    def sync(self, device: torch.device) -> None:
+        """Before answering: a draft in another process reads what was written."""
+        if self.device_writes:
+            torch.cuda.current_stream(device).synchronize()
+            self.device_writes = False
+
+    def consumed(self, seq: TargetSequence, position: int) -> None:
+        """The draft holds the positions below `position`: publications ending there are freed."""
+        keep = []
+        for pub, end in seq.publications:
+            if end <= position:
+                self.writers[pub.ref.plane].free(pub)
+            else:
+                keep.append((pub, end))
+        seq.publications = keep
+
+    def drop(self, seq: TargetSequence) -> None:
+        for pub, _ in seq.publications:
+            self.writers[pub.ref.plane].free(pub)
+        seq.publications = []
+
+    def usage(self) -> float:
+        return max((w.usage() for w in self.writers.values()), default=0.0)
