@@ -101,6 +101,10 @@ class Services:
     def __exit__(self, *exc) -> None:
         self.stack.stop()
 
+    def features_travel(self) -> list[str]:
+        """What the gateway logged about the feature plane (which one the draft reads, or none)."""
+        return features_travel(Path(self.opts.log_dir))
+
     def snapshot(self) -> dict[str, dict]:
         out = {"gateway": scrape(self.opts.http_port), "target": scrape(self.opts.target_metrics_port)}
         if self.opts.drafter != "none":
@@ -132,6 +136,14 @@ async def drive(address: str, prompts: list[list[int]], concurrency: int, max_to
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return produced, time.perf_counter() - t0
+
+
+def features_travel(log_dir: Path) -> list[str]:
+    """The gateways' log lines about the feature plane in log_dir (gateway*.log)."""
+    return [line.split(" dflash.gateway.planes ", 1)[1].strip()
+            for log in sorted(log_dir.glob("gateway*.log"))
+            for line in log.read_text(errors="replace").splitlines()
+            if " dflash.gateway.planes " in line]
 
 
 def step_breakdown(before: dict, after: dict) -> dict:

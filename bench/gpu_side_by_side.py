@@ -38,7 +38,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import torch
 
-from bench.gateway_cpu import drive, free_port, scrape, step_breakdown
+from bench.gateway_cpu import drive, features_travel, free_port, scrape, step_breakdown
 from bench.h200_micro import (
     QWEN3_8B,
     TINY,
@@ -550,16 +550,8 @@ def _stack_part(tdir, ddir, args, out, taps, tau, prompts, max_tokens, levels, t
         stack.stop()
         for log in (out / f"logs-{name}").glob("*.log"):
             shutil.copy(log, out / f"{name}-{log.name}")
-    info["features_travel"] = _features_travel(out / f"logs-{name}")
+    info["features_travel"] = features_travel(out / f"logs-{name}")
     return info
-
-
-def _features_travel(log_dir: Path) -> list[str]:
-    """What the gateways logged about the feature plane (which one the draft reads, or none)."""
-    return [line.split(" dflash.gateway.planes ", 1)[1].strip()
-            for log in sorted(log_dir.glob("gateway*.log"))
-            for line in log.read_text(errors="replace").splitlines()
-            if " dflash.gateway.planes " in line]
 
 
 def _tokenizer_into(tdir: Path) -> None:

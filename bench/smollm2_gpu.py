@@ -14,21 +14,23 @@ split and 8 tokens; --out defaults to a temporary folder."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import tempfile
 import time
 from pathlib import Path
 
-from bench.gateway_cpu import Services, grpc_generate, system_options, transformers_run
+from bench.gateway_cpu import Services, drive, grpc_generate, system_options, transformers_run
 from bench.tiny import NO_CUDA, add_tiny_flag, tiny_fields, tiny_outputs
 
 
 def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir: Path,
-                   **options) -> dict:
+                   levels: tuple[int, ...] = (), **options) -> dict:
     """One request at a time through the gateway's gRPC API (streamed; the GPU image has no
-    `openai` package), greedy, prefill included."""
-    runs, outputs = [], []
+    `openai` package), greedy, prefill included; then, per concurrency level c in `levels`,
+    2c requests of the same prompts with c in flight (EOS ignored: max_tokens each)."""
+    runs, outputs, loaded = [], [], []
     tag = "-".join([drafter, *(str(v) for v in options.values() if v)]).replace("/", "_")
     with Services(drafter, log_dir / f"e2e-{tag}", **options) as svc:
         address = f"127.0.0.1:{svc.opts.port}"
@@ -40,7 +42,14 @@ def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir:
                          "verify_steps": usage.verify_steps,
                          "mean_acceptance_length": 1 + usage.accepted_tokens / max(1, usage.draft_steps)})
             outputs.append(tokens)
-    return {"runs": runs, "output_ids": outputs}
+        for c in levels:
+            batch = [ids[i % len(ids)] for i in range(2 * c)]
+            produced, seconds = asyncio.run(drive(address, batch, c, max_tokens))
+            loaded.append({"concurrency": c, "requests": len(batch), "tokens": produced,
+                           "seconds": round(seconds, 3), "tokens_per_s": round(produced / seconds, 1)})
+            print(json.dumps({"drafter": tag, **loaded[-1]}), flush=True)
+        travel = svc.features_travel()
+    return {"runs": runs, "output_ids": outputs, "concurrency": loaded, "features_travel": travel}
 
 
 def prompts(n: int) -> tuple[list[str], list[str]]:
@@ -79,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--systems", nargs="+", default=["dflash", "none"],
                     help="our stacks, each DRAFTER[:DRAFT_DTYPE][,tree=N][,block=B] (the last "
                          "autoregressive one, 'none', is the identity reference)")
+    ap.add_argument("--concurrency", nargs="*", type=int, default=[],
+                    help="also run each of our stacks with this many requests in flight (2c "
+                         "requests per level)")
     ap.add_argument("--no-transformers", action="store_true",
                     help="only our two stacks (e.g. to rerun them with another drafter)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp") + "/smollm2_gpu.json")
@@ -106,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-smollm2-") as tmp:
         for spec in args.systems:
             label, drafter, more = system_options(spec)
-            r = grpc_stack_run(drafter, ids, args.max_tokens, Path(tmp), **options, **more)
+            r = grpc_stack_run(drafter, ids, args.max_tokens, Path(tmp), tuple(args.concurrency),
+                               **options, **more)
             result["systems"][label] = r
             print(json.dumps({label: summary(r["runs"], kinds)}), flush=True)
             out.write_text(json.dumps(result) + "\n")          # partial results survive a timeout

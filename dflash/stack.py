@@ -37,6 +37,11 @@ CPU_SPEC_DISABLE_BATCH = 1
 # service (CPU)"). The drafter was trained in bf16, and drafts only decide how much is accepted:
 # the fp32 target alone decides the output.
 CPU_DFLASH_DRAFT_DTYPE = "auto"
+# On a GPU a DFlash drafter drafts a tree of this many nodes for greedy requests: on the H200 a
+# tree of 15 ran 2.41x / 1.19x / 1.17x our autoregressive path at 1 / 8 / 32 requests in flight,
+# where the chain ran 2.07x / 0.80x / 0.73x and a tree of 63 2.03x / 0.80x / 0.90x (SmolLM2 bf16,
+# docs/benchmarks.md, "End to end on the H200").
+GPU_DFLASH_TREE_NODES = 15
 # The DFlash drafter trained by this project for SmolLM2-135M-Instruct (models/ in the repo).
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
 DRAFTERS = ("dflash", "prompt-lookup", "none")
@@ -59,7 +64,7 @@ class StackOptions:
     draft_model: str = ""              # dflash: checkpoint dir ("" = the shipped one for SmolLM2)
     block_size: int = 0
     spec_disable_batch_size: int = -1  # gateway's; -1 = CPU_SPEC_DISABLE_BATCH for dflash on the CPU, else 0
-    spec_tree_nodes: int = 0           # gateway's --spec-tree-nodes (greedy requests; 0 = chains)
+    spec_tree_nodes: int = -1          # gateway's; -1 = GPU_DFLASH_TREE_NODES for dflash on CUDA, else 0 (chains)
     wire: str = ""                     # gateway --wire ("" = its default)
     log_dir: str = ""
     ready_timeout_s: float = 600.0
@@ -154,7 +159,7 @@ class Stack:
                 "--tokenizer", self.model_dir, "--port", port, "--http-port", http_port,
                 "--host", o.host, "--block-size", self.verify_block(),
                 "--spec-disable-batch-size", self.spec_disable_batch(),
-                "--spec-tree-nodes", o.spec_tree_nodes,
+                "--spec-tree-nodes", self.tree_nodes(),
                 *(("--wire", o.wire) if o.wire else ()), *o.gateway_args, *extra]
 
     @property
@@ -175,6 +180,14 @@ class Stack:
         if self.opts.draft_dtype:
             return self.opts.draft_dtype
         return CPU_DFLASH_DRAFT_DTYPE if self.dflash_on_cpu else self.opts.dtype
+
+    def tree_nodes(self) -> int:
+        """The gateway's --spec-tree-nodes: the option, else GPU_DFLASH_TREE_NODES for a DFlash
+        drafter on a GPU, else 0 (chains)."""
+        if self.opts.spec_tree_nodes >= 0:
+            return self.opts.spec_tree_nodes
+        gpu = self.opts.drafter == "dflash" and self.opts.device.startswith("cuda")
+        return GPU_DFLASH_TREE_NODES if gpu else 0
 
     def spec_disable_batch(self) -> int:
         """The gateway's --spec-disable-batch-size: the option, else CPU_SPEC_DISABLE_BATCH for

@@ -12,6 +12,7 @@ from dflash.stack import (
     CPU_SPEC_DISABLE_BATCH,
     DEFAULT_DRAFTER,
     DRAFTERS,
+    GPU_DFLASH_TREE_NODES,
     Stack,
     StackOptions,
 )
@@ -45,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"above this many running requests the gateway stops drafting (-1 = "
                         f"{CPU_SPEC_DISABLE_BATCH} for dflash on the CPU, else 0 = always draft)")
     p.add_argument("--spec-tree-nodes", type=int, default=d.spec_tree_nodes,
-                   help="greedy requests verify a tree of this many drafts per step instead of "
-                        "a chain (gateway --spec-tree-nodes; 0 = chains)")
+                   help=f"greedy requests verify a tree of this many drafts per step instead of "
+                        f"a chain (gateway --spec-tree-nodes; -1 = {GPU_DFLASH_TREE_NODES} for "
+                        f"dflash on a GPU, else 0 = chains)")
     p.add_argument("--wire", default="", choices=("unary", "stream"),
                    help="gateway --wire: Propose/Verify as unary RPCs or on one stream per "
                         "upstream (default: the gateway's)")

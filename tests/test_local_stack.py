@@ -163,6 +163,26 @@ def test_drafting_stops_above_a_batch_size_by_default_on_the_cpu(tmp_path):
     assert limit(drafter="none") == 0
 
 
+def test_trees_by_default_for_dflash_on_a_gpu(tmp_path):
+    """--spec-tree-nodes -1: GPU_DFLASH_TREE_NODES for dflash on CUDA (measured to pay at 1, 8
+    and 32 requests in flight), else 0 (chains); an explicit value always wins."""
+    from dflash.prepare.smollm2 import prepare_smollm2
+    from dflash.stack import GPU_DFLASH_TREE_NODES, Stack, StackOptions
+    model = str(prepare_smollm2(["float32"], progress=False)["float32"])
+
+    def nodes(**options) -> int:
+        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), **options))
+        argv = {c.name: c.argv for c in stack.plan()}["gateway"]
+        return int(argv[argv.index("--spec-tree-nodes") + 1])
+
+    gpu = {"device": "cuda", "attention_backend": "triton"}
+    assert nodes() == 0
+    assert nodes(**gpu) == GPU_DFLASH_TREE_NODES == 15
+    assert nodes(spec_tree_nodes=0, **gpu) == 0
+    assert nodes(spec_tree_nodes=63) == 63
+    assert nodes(drafter="prompt-lookup", **gpu) == 0
+
+
 def test_draft_dtype_defaults_to_auto_for_dflash_on_the_cpu(tmp_path):
     """--draft-dtype "": CPU_DFLASH_DRAFT_DTYPE for dflash on the CPU, else the target's --dtype;
     an explicit value always wins. The target keeps --dtype."""
