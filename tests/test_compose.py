@@ -86,6 +86,29 @@ def test_gpu_override_validates_and_selects_cuda(monkeypatch):
     assert devices[0]["capabilities"] == ["gpu"]
 
 
+def test_gpu_override_gives_the_gateway_dflash_ups_gpu_defaults(monkeypatch):
+    """The drafter's block, drafting at every load and trees of GPU_DFLASH_TREE_NODES, as
+    `dflash up --device cuda` (the CPU file's block 4 and no drafting above 1 request do not
+    leak into the GPU stack)."""
+    from dflash.stack import GPU_DFLASH_TREE_NODES
+    from gateway.__main__ import parse_args
+    gateway = compose_config(COMPOSE, GPU_OVERRIDE)["services"]["gateway"]
+    for key in [k for k in os.environ if k.startswith("DFLASH_")]:
+        monkeypatch.delenv(key)
+    for key, value in gateway["environment"].items():
+        monkeypatch.setenv(key, str(value))
+    config = parse_args(gateway["command"][3:])
+    assert (config.block_size, config.spec_disable_batch_size, config.spec_tree_nodes) == \
+        (0, 0, GPU_DFLASH_TREE_NODES)
+
+
+def test_the_draft_shares_the_targets_ipc_namespace(compose):
+    """The draft reads the target's /dev/shm feature plane (else features go through the
+    gateway)."""
+    assert compose["services"]["target"]["ipc"] == "shareable"
+    assert compose["services"]["draft"]["ipc"] == "service:target"
+
+
 def test_cpu_stack_runs_dflash_up_dtypes(parsed):
     """As `dflash up` on the CPU: an fp32 target and a draft of dtype auto (CPU_DFLASH_DRAFT_DTYPE:
     bf16 where the host's CPU computes it natively)."""
