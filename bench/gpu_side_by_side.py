@@ -140,6 +140,7 @@ class GpuStack:
             draft_args=("--kv-budget", args.draft_kv, "--token-budget", "8192",
                         "--max-message-mib", "512"),
             gateway_args=("--wire", self.wires[0], "--max-message-mib", "512"),
+            spec_tree_nodes=0,      # chains: forced acceptance is a chain's (dflash up: trees on GPU)
             target_hooks=HookFlags(random_weights=True, force_tau=tau or 0.0),
             draft_hooks=HookFlags(random_weights=True),
             # --tiny on the CPU: the GPU's gateway settings (the drafter's block of 16, drafting
