@@ -5,8 +5,7 @@ the draft is down; sent with the next Propose."""
 from __future__ import annotations
 
 from dflash.v1 import common_pb2
-
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+from services.common.tensor_codec import WIRE_DTYPES
 
 
 def answer_chunk(resp) -> common_pb2.FeatureChunk | None:
@@ -29,7 +28,7 @@ def chunk_format(chunk: common_pb2.FeatureChunk) -> tuple[int, int, str]:
 def chunk_nbytes(chunk: common_pb2.FeatureChunk) -> int:
     """Bytes the chunk's rows hold, wherever they are."""
     rows, width, dtype = chunk_format(chunk)
-    return rows * width * _ITEMSIZE.get(dtype, 4)
+    return rows * width * WIRE_DTYPES[dtype].itemsize
 
 
 class DraftFeed:

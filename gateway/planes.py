@@ -25,7 +25,6 @@ MAX_RENEGOTIATIONS = 3
 class PlaneChoice:
     def __init__(self, timeout_s: float) -> None:
         self.plane_id = ""
-        self.transport = ""
         self.timeout_s = timeout_s
         self._key: tuple | None = None
         self._task: asyncio.Task | None = None
@@ -41,7 +40,7 @@ class PlaneChoice:
         if self._pair is None or key != self._pair[2]:
             self.failures = 0                    # a new pair: it may fail afresh
         self._key, self._pair = key, (tcaps, draft, key)
-        self.plane_id = self.transport = ""
+        self.plane_id = ""
         if self._task is not None:
             self._task.cancel()
         offers = sorted((p for p in tcaps.feature_planes
@@ -56,7 +55,7 @@ class PlaneChoice:
         if self.plane_id:
             log.warning("feature plane %s failed for a request; features travel in messages "
                         "until the draft attaches a plane again", self.plane_id)
-        self.plane_id = self.transport = ""
+        self.plane_id = ""
         self.failures += 1
         if self._pair is not None and self.failures <= MAX_RENEGOTIATIONS:
             tcaps, draft, _ = self._pair
@@ -65,7 +64,7 @@ class PlaneChoice:
 
     def off(self) -> None:
         """No usable pair: nothing is attached."""
-        self.plane_id = self.transport = ""
+        self.plane_id = ""
         self._key = None
 
     async def _attach(self, offers: list, draft: Upstream, key: tuple) -> None:
@@ -77,7 +76,7 @@ class PlaneChoice:
                 reasons.append(f"{plane.transport}: {e.code.name} {e.details}")
                 continue
             if resp.attached and self._key == key:
-                self.plane_id, self.transport = plane.plane_id, plane.transport
+                self.plane_id = plane.plane_id
                 log.info("features travel through the target's %s plane", plane.transport,
                          extra={"plane": plane.plane_id})
                 return

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -153,6 +154,13 @@ def test_cuda_ipc_round_trip_between_processes():
     assert proc.returncode == 0, proc.stderr
     device, total = proc.stdout.split()
     assert device == "cuda" and float(total) == pytest.approx(float(rows.float().sum()), rel=1e-3)
+
+
+def test_a_cuda_ipc_plane_needs_a_cuda_target_and_a_known_choice(tiny_llama_dir):
+    with pytest.raises(ValueError, match="cuda-ipc needs --device cuda"):
+        TargetConfig(str(tiny_llama_dir), feature_plane="cuda-ipc")
+    with pytest.raises(ValueError, match=re.escape("allowed auto | shm | cuda-ipc | off")):
+        TargetConfig(str(tiny_llama_dir), feature_plane="rdma")
 
 
 def test_the_target_engine_publishes_and_frees(tiny_llama_dir):

@@ -237,6 +237,11 @@ class PlaneWriter:
     def transport(self) -> str:
         return self.backing.transport
 
+    @property
+    def on_host(self) -> bool:
+        """Its memory is the host's: rows from a GPU are best brought over in one copy first."""
+        return isinstance(self.backing, _ShmBacking)
+
     def usage(self) -> float:
         return self.extents.used / self.backing.size
 

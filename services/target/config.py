@@ -49,6 +49,8 @@ class TargetConfig:
         if self.feature_plane not in PLANE_CHOICES or self.feature_plane_mib < 1:
             raise ValueError(f"feature plane {self.feature_plane!r} of {self.feature_plane_mib} MiB: "
                              f"allowed {' | '.join(PLANE_CHOICES)}, at least 1 MiB")
+        if self.feature_plane == "cuda-ipc" and not self.device.startswith("cuda"):
+            raise ValueError("--feature-plane cuda-ipc needs --device cuda")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu gemm {self.cpu_gemm!r} is not offered by this torch build; "
                              f"allowed: {sorted(CPU_GEMMS)}")

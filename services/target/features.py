@@ -46,18 +46,23 @@ class FeatureFetch:
                 groups.setdefault((r[0], r[1], r[4] is not None), []).append(i)
         for (layers, dtype, published), members in groups.items():
             rows = self._columns(self._rows(members), layers).to(dtype)
-            if not published:
-                rows = to_host(rows)
+            host = to_host(rows) if not published or self._any_on_host(members) else None
             start = 0
             for i in members:
                 n, dest = len(self.requests[i][3]), self.requests[i][4]
                 if dest is None:
-                    out[i] = rows[start: start + n]
+                    out[i] = host[start: start + n]
                 else:
-                    self.publisher.write(dest[0], dest[1], rows[start: start + n])
+                    src = host if self.publisher.on_host(dest[0]) else rows
+                    self.publisher.write(dest[0], dest[1], src[start: start + n])
                     out[i] = dest[0]
                 start += n
         return out
+
+    def _any_on_host(self, members: list[int]) -> bool:
+        """Whether some member publishes in a host plane (its rows then come over in the
+        group's one pinned copy, not a pageable copy each)."""
+        return any(self.publisher.on_host(self.requests[i][4][0]) for i in members)
 
     def _rows(self, members: list[int]) -> torch.Tensor:
         """The requested rows of the members, in order (a slice when they are one range)."""

@@ -14,24 +14,17 @@ import logging
 import torch
 
 from services.common.feature_plane import PlaneInfo, PlaneWriter, Publication
-from services.target.config import PLANE_CHOICES
 from services.target.sequence import TargetSequence
 
 log = logging.getLogger("dflash.target.publisher")
 
 
 def plane_transports(choice: str, device: torch.device) -> list[str]:
-    """--feature-plane -> the transports to offer (auto: CUDA IPC on a CUDA device, and shared
-    memory everywhere)."""
-    if choice not in PLANE_CHOICES:
-        raise ValueError(f"--feature-plane {choice!r}: allowed {' | '.join(PLANE_CHOICES)}")
-    if choice == "off":
-        return []
+    """--feature-plane (checked by TargetConfig) -> the transports to offer (auto: CUDA IPC on a
+    CUDA device, and shared memory everywhere)."""
     if choice == "auto":
         return (["cuda-ipc"] if device.type == "cuda" else []) + ["shm"]
-    if choice == "cuda-ipc" and device.type != "cuda":
-        raise ValueError("--feature-plane cuda-ipc needs --device cuda")
-    return [choice]
+    return [] if choice == "off" else [choice]
 
 
 class FeaturePublisher:
@@ -64,10 +57,15 @@ class FeaturePublisher:
             seq.publications.append((pub, end))
         return pub
 
+    def on_host(self, pub: Publication) -> bool:
+        return self.writers[pub.ref.plane].on_host
+
     def write(self, pub: Publication, first_row: int, rows: torch.Tensor) -> None:
+        """rows [n, width]: host rows for a host plane (FeatureFetch brings a batch's over in one
+        copy), any device's for a CUDA plane."""
         writer = self.writers[pub.ref.plane]
         writer.write(pub, first_row, rows)
-        self.device_writes |= writer.transport == "cuda-ipc"
+        self.device_writes |= not writer.on_host
 
     def sync(self, device: torch.device) -> None:
         """Before answering: a draft in another process reads what was written."""
