@@ -2,9 +2,10 @@
 
 Negotiated whenever the pair changes (the target's planes - a restarted target has new ones - or
 the draft coming back to SERVING): the target's planes are tried in the order of the transports
-that both sides list (CUDA IPC first, then shared memory), each offered to the draft
-(Draft.AttachPlane), which attaches it only when it can actually reach it (the same host's shared
-memory, a CUDA IPC handle it can open). Until one is attached, and when none can be, features
+that both sides list (CUDA IPC first, then shared memory, then the target's feature stream), each
+offered to the draft (Draft.AttachPlane), which attaches it only when it can actually reach it (a
+CUDA IPC handle it can open, the same host's shared memory, the target's FeatureStream at the
+address this gateway dials). Until one is attached, and when none can be, features
 travel in messages: a draft that cannot reach the target's data plane falls back, it does not
 fail. A request whose draft could not read a reference (DATA_LOSS) asks for a new negotiation
 (at most MAX_RENEGOTIATIONS times per pair: a plane that keeps failing stays unused)."""
@@ -13,19 +14,20 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from dflash.v1 import draft_pb2, target_pb2
+from dflash.v1 import common_pb2, draft_pb2, target_pb2
 from gateway.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("dflash.gateway.planes")
 
-PREFERENCE = ("cuda-ipc", "shm")
+PREFERENCE = ("cuda-ipc", "shm", "stream")
 MAX_RENEGOTIATIONS = 3
 
 
 class PlaneChoice:
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, target_address: str) -> None:
         self.plane_id = ""
         self.timeout_s = timeout_s
+        self.target_address = target_address     # where a draft reaches a stream plane
         self._key: tuple | None = None
         self._task: asyncio.Task | None = None
         self._pair: tuple | None = None          # the last (target caps, draft) refreshed
@@ -69,7 +71,11 @@ class PlaneChoice:
 
     async def _attach(self, offers: list, draft: Upstream, key: tuple) -> None:
         reasons = []
-        for plane in offers:
+        for offer in offers:
+            plane = common_pb2.FeaturePlane()
+            plane.CopyFrom(offer)
+            if plane.transport == "stream" and not plane.address:
+                plane.address = self.target_address
             try:
                 resp = await draft.call("AttachPlane", plane, self.timeout_s)
             except UpstreamError as e:
@@ -77,7 +83,8 @@ class PlaneChoice:
                 continue
             if resp.attached and self._key == key:
                 self.plane_id = plane.plane_id
-                log.info("features travel through the target's %s plane", plane.transport,
+                log.info("features travel through the target's %s plane%s", plane.transport,
+                         f" (not attached: {'; '.join(reasons)})" if reasons else "",
                          extra={"plane": plane.plane_id})
                 return
             reasons.append(f"{plane.transport}: {resp.reason}")

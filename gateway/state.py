@@ -64,7 +64,7 @@ class GatewayState:
         self.ready = False
         self.reason = f"waiting for the target at {config.target}"
         self.decision = compat.Decision()
-        self.planes = PlaneChoice(config.capabilities_timeout_s)   # where features travel
+        self.planes = PlaneChoice(config.capabilities_timeout_s, config.target)   # where features travel
         self.draft_ok = False            # speculation available now
         self.draft_seen = False          # the draft was usable once (then its absence degrades)
         self.draft_grace_over = False    # start-up deadline passed: serve without the draft

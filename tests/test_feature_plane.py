@@ -20,13 +20,14 @@ from services.common.feature_plane import (
     ALIGN,
     PREFIX,
     SHM_DIR,
-    AttachedPlanes,
     Extents,
     PlaneInfo,
+    PlaneReader,
     PlaneRef,
     PlaneWriter,
     remove_stale_shm,
 )
+from services.draft.planes import AttachedPlanes
 from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
 from services.target.worker import TargetWorker
@@ -56,7 +57,7 @@ def test_extents_allocate_aligned_first_fit_and_coalesce():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_published_rows_read_back_exactly_as_views(writer, dtype):
     planes = AttachedPlanes(torch.device("cpu"))
-    assert planes.attach(writer.info) == ""
+    assert asyncio.run(planes.attach(writer.info)) == ""
     rows = torch.randn(7, 40).to(dtype)
     pub = writer.reserve(7, 40, dtype)
     writer.write(pub, 0, rows[:3])                         # a prompt's chunks, in two writes
@@ -69,7 +70,7 @@ def test_published_rows_read_back_exactly_as_views(writer, dtype):
 
 def test_stale_freed_and_reused_refs_are_data_loss(writer):
     planes = AttachedPlanes(torch.device("cpu"))
-    planes.attach(writer.info)
+    asyncio.run(planes.attach(writer.info))
     first = writer.reserve(2, 8, torch.float32)
     writer.write(first, 0, torch.ones(2, 8))
     writer.free(first)
@@ -94,18 +95,21 @@ def test_a_full_plane_reserves_nothing(writer):
 
 def test_attach_refuses_what_it_cannot_reach(tmp_path):
     planes = AttachedPlanes(torch.device("cpu"))
+
+    def attach(info: PlaneInfo) -> str:
+        return asyncio.run(planes.attach(info))
     gone = PlaneInfo("shm", "999999-deadbeef", MIB)
-    assert "no shared memory" in planes.attach(gone)
-    assert "transport" in planes.attach(PlaneInfo("rdma", "x", MIB))
+    assert "no shared memory" in attach(gone)
+    assert "transport" in attach(PlaneInfo("rdma", "x", MIB))
+    assert "address" in attach(PlaneInfo("stream", "x", MIB))
     impostor = os.path.join(SHM_DIR, PREFIX + f"{os.getpid()}-impostor")
     with open(impostor, "wb") as f:
         f.write(b"\0" * MIB)
     try:
-        assert "is not feature plane" in planes.attach(PlaneInfo("shm", f"{os.getpid()}-impostor",
-                                                                 MIB))
+        assert "is not feature plane" in attach(PlaneInfo("shm", f"{os.getpid()}-impostor", MIB))
     finally:
         os.unlink(impostor)
-    assert "cuda" in planes.attach(PlaneInfo("cuda-ipc", "x", MIB, b"[]"))
+    assert "cuda" in attach(PlaneInfo("cuda-ipc", "x", MIB, b"[]"))
     assert planes.readers == {}
 
 
@@ -126,14 +130,11 @@ def test_planes_of_dead_targets_are_removed():
 READER = """
 import sys
 import torch
-from services.common.feature_plane import AttachedPlanes, PlaneInfo, PlaneRef
+from services.common.feature_plane import PlaneInfo, PlaneReader, PlaneRef
 from dflash.v1 import common_pb2
 info = PlaneInfo.from_pb(common_pb2.FeaturePlane.FromString(bytes.fromhex(sys.argv[1])))
 ref = PlaneRef.from_pb(common_pb2.FeatureRef.FromString(bytes.fromhex(sys.argv[2])))
-planes = AttachedPlanes(torch.device("cuda"))
-why = planes.attach(info)
-assert why == "", why
-view = planes.read(ref)
+view = PlaneReader(info, torch.device("cuda")).read(ref)
 print(view.device.type, float(view.float().sum()), flush=True)
 import os
 os._exit(0)
@@ -159,7 +160,7 @@ def test_cuda_ipc_round_trip_between_processes():
 def test_a_cuda_ipc_plane_needs_a_cuda_target_and_a_known_choice(tiny_llama_dir):
     with pytest.raises(ValueError, match="cuda-ipc needs --device cuda"):
         TargetConfig(str(tiny_llama_dir), feature_plane="cuda-ipc")
-    with pytest.raises(ValueError, match=re.escape("allowed auto | shm | cuda-ipc | off")):
+    with pytest.raises(ValueError, match=re.escape("allowed auto | shm | cuda-ipc | stream | off")):
         TargetConfig(str(tiny_llama_dir), feature_plane="rdma")
 
 
@@ -173,8 +174,7 @@ def test_the_target_engine_publishes_and_frees(tiny_llama_dir):
     engine.start()
     try:
         (info,) = engine.publisher.planes()
-        planes = AttachedPlanes(torch.device("cpu"))
-        planes.attach(info)
+        planes = PlaneReader(info, torch.device("cpu"))
         writer = next(iter(engine.publisher.writers.values()))
         prompt, layers = list(range(3, 40)), (0, 1)
 

@@ -1,8 +1,8 @@
 """The feature data plane through real processes (tiny Llama target, random DFlash draft):
 
-- features a target publishes in its plane reach the draft as the same values as features in
-  messages (the draft's proposals from both are identical, step after step), and the plane's
-  bytes equal the message's bytes exactly;
+- features a target publishes in its plane (shared memory, or its feature stream to the draft)
+  reach the draft as the same values as features in messages (the draft's proposals from both
+  are identical, step after step), and the plane's bytes equal the message's bytes exactly;
 - a stale reference is DATA_LOSS naming the plane and the publication; a Prefill naming a plane
   the target does not have (it restarted) answers in the message; the draft refuses to attach
   what it cannot reach, saying why;
@@ -24,13 +24,13 @@ from support.target_client import TargetClient
 from dflash.make_draft import make_random_drafter
 from dflash.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 from services.common import tensor_codec
-from services.common.feature_plane import AttachedPlanes, PlaneInfo, PlaneRef
+from services.common.feature_plane import PlaneInfo, PlaneReader, PlaneRef
 
 pytestmark = pytest.mark.slow
 
 CUDA = torch.cuda.is_available()
 DEVICE_FLAGS = ("--device", "cuda", "--dtype", "bfloat16") if CUDA else ()
-TRANSPORTS = ["shm"] + (["cuda-ipc"] if CUDA else [])
+TRANSPORTS = ["shm", "stream"] + (["cuda-ipc"] if CUDA else [])
 PROMPT = list(range(5, 45))
 BLOCK = 8
 PRIVATE_SHM = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]
@@ -69,7 +69,12 @@ def clients(services):
 
 
 def _plane(tc: TargetClient, transport: str) -> common_pb2.FeaturePlane:
-    return next(p for p in tc.capabilities().feature_planes if p.transport == transport)
+    """The target's plane of that transport, as the gateway offers it (a stream: with the
+    address the draft dials)."""
+    plane = next(p for p in tc.capabilities().feature_planes if p.transport == transport)
+    if transport == "stream":
+        plane.address = tc.address
+    return plane
 
 
 def _prefill(tc, dcaps, seq: str, plane: str) -> target_pb2.PrefillResponse:
@@ -102,9 +107,7 @@ def test_plane_features_equal_message_features_step_by_step(clients, transport):
     assert seqs["plane"].HasField("feature_ref") and not seqs["plane"].features.data
     assert seqs["inline"].features.data and not seqs["inline"].HasField("feature_ref")
     if transport == "shm":                       # the bytes themselves, read from the plane here
-        planes = AttachedPlanes(torch.device("cpu"))
-        assert planes.attach(PlaneInfo.from_pb(plane)) == ""
-        view = planes.read(PlaneRef.from_pb(seqs["plane"].feature_ref))
+        view = PlaneReader(PlaneInfo.from_pb(plane), torch.device("cpu")).read(PlaneRef.from_pb(seqs["plane"].feature_ref))
         assert torch.equal(view, tensor_codec.decode(seqs["inline"].features))
     anchor = seqs["plane"].next_token
     assert anchor == seqs["inline"].next_token
@@ -170,21 +173,26 @@ def _private_shm_works() -> bool:
 
 
 @pytest.mark.skipif(not _private_shm_works(), reason="needs unshare -m (root) for a private /dev/shm")
-def test_a_draft_that_cannot_reach_the_plane_gets_features_in_messages(
-        tiny_llama_02_dir, drafter, services, logs, smollm2_dir):
-    target, _ = services
+@pytest.mark.parametrize("offered", ["auto", "shm"])
+def test_a_draft_that_cannot_reach_the_shared_memory(tiny_llama_02_dir, drafter, logs, smollm2_dir,
+                                                     offered):
+    """A draft in its own IPC namespace (another container, or host): with the target's
+    feature stream offered (auto) the features come over it; with only shared memory offered
+    they travel in messages. The output is the target's either way."""
+    target = start_target(tiny_llama_02_dir, logs, "--feature-plane", offered)
     draft = start_draft(tiny_llama_02_dir, logs, *DEVICE_FLAGS, model_dir=drafter,
                         prefix=PRIVATE_SHM)
+    gw = start_gateway(target.address, smollm2_dir, logs, draft=draft.address)
     try:
-        gw = start_gateway(target.address, smollm2_dir, logs, draft=draft.address)
-        try:
-            tokens, _, responses = gw.generate(PROMPT, 40)
-            reference = TargetClient(target.address).greedy("plain", PROMPT, len(tokens))
-            assert tokens == reference and responses[-1].usage.draft_steps > 0
-            log = gw.log()
+        tokens, _, responses = gw.generate(PROMPT, 40)
+        reference = TargetClient(target.address).greedy("plain", PROMPT, len(tokens))
+        assert tokens == reference and responses[-1].usage.draft_steps > 0
+        log = gw.log()
+        assert "no shared memory" in log
+        if offered == "auto":
+            assert "features travel through the target's stream plane" in log
+        else:
             assert "features travel in messages: the draft attached none" in log
-            assert "no shared memory" in log
-        finally:
-            gw.stop()
     finally:
-        draft.stop()
+        for p in (gw, draft, target):
+            p.stop()

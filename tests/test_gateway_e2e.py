@@ -65,14 +65,25 @@ def inband_target(smollm2_dir, logs):
 
 
 @pytest.fixture(scope="module")
-def gateways(smollm2_dir, dflash_dir, target, inband_target, logs):
+def stream_target(smollm2_dir, logs):
+    """A target that offers only its feature stream (as a draft on another host would use)."""
+    p = start_target(smollm2_dir, logs, "--feature-plane", "stream")
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def gateways(smollm2_dir, dflash_dir, target, inband_target, stream_target, logs):
     """kind -> gateway; the drafts are started alongside. "dflash" reads the features from the
-    target's shared-memory plane, "dflash-inband" gets them in messages."""
+    target's shared-memory plane, "dflash-stream" from the target's feature stream,
+    "dflash-inband" gets them in messages."""
     dflash = start_draft(smollm2_dir, logs, model_dir=dflash_dir)
     lookup = start_draft(smollm2_dir, logs, "--drafter", "prompt-lookup")
     gws = {"autoregressive": start_gateway(target.address, smollm2_dir, logs),
            "dflash": start_gateway(target.address, smollm2_dir, logs, draft=dflash.address),
            "dflash-inband": start_gateway(inband_target.address, smollm2_dir, logs,
+                                          draft=dflash.address),
+           "dflash-stream": start_gateway(stream_target.address, smollm2_dir, logs,
                                           draft=dflash.address),
            "prompt-lookup": start_gateway(target.address, smollm2_dir, logs, draft=lookup.address)}
     yield gws
@@ -80,16 +91,20 @@ def gateways(smollm2_dir, dflash_dir, target, inband_target, logs):
         p.stop()
 
 
-SHM_PLANE = "features travel through the target's shm plane"
+def plane_used(plane: str) -> str:
+    return f"features travel through the target's {plane} plane"
 
 
-@pytest.mark.parametrize("kind", ["autoregressive", "dflash", "dflash-inband", "prompt-lookup"])
+@pytest.mark.parametrize("kind", ["autoregressive", "dflash", "dflash-inband", "dflash-stream",
+                                  "prompt-lookup"])
 def test_greedy_output_is_token_identical_to_transformers(kind, gateways, prompts, reference):
     gw = gateways[kind]
     info = gw.stub.GetModelInfo(gateway_pb2.GetModelInfoRequest())
     assert info.speculative == (kind != "autoregressive")
-    assert info.drafter_kind == ("" if kind == "autoregressive" else kind.split("-inband")[0])
-    assert (SHM_PLANE in gw.log()) == (kind == "dflash")      # the transport really used
+    drafter = kind.removesuffix("-inband").removesuffix("-stream")
+    assert info.drafter_kind == ("" if kind == "autoregressive" else drafter)
+    assert (plane_used("shm") in gw.log()) == (kind == "dflash")      # the transport really used
+    assert (plane_used("stream") in gw.log()) == (kind == "dflash-stream")
     drafted = accepted = 0
     for ids in prompts:
         tokens, _, responses = gw.generate(ids, N)
@@ -114,15 +129,16 @@ def test_concurrent_requests_are_each_exact(gateways, prompts, reference):
     assert all(results[i] == reference(ids, N) for i, ids in enumerate(prompts))
 
 
-@pytest.mark.parametrize("plane", ["shm", "off"])
+@pytest.mark.parametrize("plane", ["shm", "stream", "off"])
 def test_draft_killed_and_restarted_mid_request(smollm2_dir, dflash_dir, target, inband_target,
-                                                logs, prompts, reference, plane):
+                                                stream_target, logs, prompts, reference, plane):
     """Killed: the request goes on autoregressively. Restarted on the same port while the request
     runs: the draft answers NOT_FOUND (or, with a plane it has not attached yet, DATA_LOSS), the
     gateway rebuilds its context (a target prefill) and speculation resumes. The output stays
-    identical throughout, with features through the shared-memory plane or in messages."""
+    identical throughout, with features through the shared-memory plane, the target's feature
+    stream, or in messages."""
     draft = start_draft(smollm2_dir, logs, model_dir=dflash_dir)
-    tgt = target if plane == "shm" else inband_target
+    tgt = {"shm": target, "stream": stream_target, "off": inband_target}[plane]
     gw = start_gateway(tgt.address, smollm2_dir, logs, draft=draft.address)
     ids, n = prompts[0], 120
     expected = reference(ids, n)
@@ -149,15 +165,15 @@ def test_draft_killed_and_restarted_mid_request(smollm2_dir, dflash_dir, target,
                    what="speculation back on")
         tokens, _, responses = gw.generate(prompts[1], N)
         assert tokens == reference(prompts[1], N) and responses[-1].usage.draft_steps > 0
-        attached = gw.log().count(SHM_PLANE)             # attached again after the restart
-        assert attached >= 2 if plane == "shm" else attached == 0
+        attached = gw.log().count(plane_used(plane))     # attached again after the restart
+        assert attached >= 2 if plane != "off" else "features travel through" not in gw.log()
     finally:
         for p in (gw, draft, restarted):
             if p is not None:
                 p.stop()
 
 
-@pytest.mark.parametrize("plane", ["shm", "off"])
+@pytest.mark.parametrize("plane", ["shm", "stream", "off"])
 def test_target_restarted_mid_request(smollm2_dir, dflash_dir, logs, prompts, reference, plane):
     """The target dies (kill -9) and comes back on the same port during a request: the gateway
     waits for it (bounded by the step deadline), prefills the committed tokens again, and the
@@ -182,9 +198,11 @@ def test_target_restarted_mid_request(smollm2_dir, dflash_dir, logs, prompts, re
                                            target.port, logs).start()
         assert tokens == reference(ids, n)
         assert "target lost the sequence (UNAVAILABLE)" in gw.log()
-        if plane == "shm":
-            wait_until(lambda: gw.log().count(SHM_PLANE) >= 2, what="the new plane attached")
-        assert plane == "shm" or SHM_PLANE not in gw.log()
+        if plane != "off":
+            wait_until(lambda: gw.log().count(plane_used(plane)) >= 2,
+                       what="the new plane attached")
+        else:
+            assert "features travel through" not in gw.log()
         assert not any(os.path.exists(f"/dev/shm/dflash-features-{p}") for p in dead_plane)
     finally:
         for p in (gw, target, restarted, draft):

@@ -34,7 +34,7 @@ from services.common.tensor_codec import WIRE_DTYPES, wire_dtype
 
 log = logging.getLogger("dflash.feature_plane")
 
-TRANSPORTS = ("cuda-ipc", "shm")          # in the order a gateway prefers them
+TRANSPORTS = ("cuda-ipc", "shm", "stream")    # in the order a gateway prefers them
 SHM_DIR = "/dev/shm"
 PREFIX = "dflash-features-"
 ALIGN = 256                               # region alignment (bytes)
@@ -56,15 +56,17 @@ class PlaneInfo:
     size_bytes: int
     handle: bytes = b""                  # cuda-ipc: the buffer's IPC handle
     device_uuid: str = ""
+    address: str = ""                    # stream: the target's HOST:PORT (the gateway fills it)
 
     def to_pb(self) -> common_pb2.FeaturePlane:
         return common_pb2.FeaturePlane(transport=self.transport, plane_id=self.plane_id,
                                        size_bytes=self.size_bytes, handle=self.handle,
-                                       device_uuid=self.device_uuid)
+                                       device_uuid=self.device_uuid, address=self.address)
 
     @staticmethod
     def from_pb(msg: common_pb2.FeaturePlane) -> PlaneInfo:
-        return PlaneInfo(msg.transport, msg.plane_id, msg.size_bytes, msg.handle, msg.device_uuid)
+        return PlaneInfo(msg.transport, msg.plane_id, msg.size_bytes, msg.handle, msg.device_uuid,
+                         msg.address)
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,19 @@ class _ShmBacking:
         return PlaneInfo(self.transport, plane_id, self.size)
 
 
+class _PrivateBacking:
+    """Host memory only this process maps (a `stream` plane: its FeatureStream sends the rows);
+    laid out as a shared-memory plane, records included (the sender checks them)."""
+    transport, record = "stream", HEADER
+
+    def __init__(self, size: int) -> None:
+        self.data = torch.empty(size, dtype=torch.uint8)   # pages are taken as rows are written
+        self.size = size
+
+    def info(self, plane_id: str) -> PlaneInfo:
+        return PlaneInfo(self.transport, plane_id, self.size)
+
+
 class _CudaBacking:
     """One device buffer shared through CUDA IPC (torch's storage sharing)."""
     transport, record = "cuda-ipc", 0
@@ -203,6 +218,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _record(data: torch.Tensor, ref: PlaneRef) -> tuple:
+    """The record before a ref's region in a plane with records (shm, stream), unpacked."""
+    raw = data[ref.offset - HEADER: ref.offset - HEADER + _RECORD.size].numpy().tobytes()
+    return _RECORD.unpack(raw)
+
+
+def _expected_record(ref: PlaneRef) -> tuple:
+    return (_MAGIC, ref.publication, ref.rows, ref.width, ref.dtype.itemsize)
+
+
 # -- the target's side ---------------------------------------------------------------------------
 @dataclass
 class Publication:
@@ -225,6 +250,9 @@ class PlaneWriter:
                 bytearray(_MAGIC + self.plane_id.encode().ljust(HEADER - 8, b"\0")),
                 dtype=torch.uint8))
             self.extents = Extents(ALIGN, size_bytes)       # the plane header: the first ALIGN bytes
+        elif transport == "stream":
+            self.backing = _PrivateBacking(size_bytes)
+            self.extents = Extents(ALIGN, size_bytes)
         elif transport == "cuda-ipc":
             self.backing = _CudaBacking(size_bytes, device)
             self.extents = Extents(0, size_bytes)
@@ -240,7 +268,7 @@ class PlaneWriter:
     @property
     def on_host(self) -> bool:
         """Its memory is the host's: rows from a GPU are best brought over in one copy first."""
-        return isinstance(self.backing, _ShmBacking)
+        return not isinstance(self.backing, _CudaBacking)
 
     def usage(self) -> float:
         return self.extents.used / self.backing.size
@@ -267,6 +295,18 @@ class PlaneWriter:
         start = ref.offset + first_row * row_bytes
         dst = self.backing.data[start: start + rows.shape[0] * row_bytes]
         dst.view(ref.dtype).view(rows.shape[0], ref.width).copy_(rows, non_blocking=True)
+
+    def read_rows(self, ref: PlaneRef, first_row: int, rows: int) -> bytes | None:
+        """A copy of rows first_row..first_row+rows-1 of a live publication of a host plane; None
+        when it was freed (checked after the copy: a region freed, even reused, meanwhile has
+        another record by then - publication ids are never reused)."""
+        row_bytes = ref.width * ref.dtype.itemsize
+        start = ref.offset + first_row * row_bytes
+        data = self.backing.data[start: start + rows * row_bytes].numpy().tobytes()
+        return data if self._record_is(ref) else None
+
+    def _record_is(self, ref: PlaneRef) -> bool:
+        return _record(self.backing.data, ref) == _expected_record(ref)
 
     def free(self, pub: Publication) -> None:
         if self.backing.record:
@@ -339,42 +379,8 @@ class PlaneReader:
         return self.data[ref.offset: end].view(ref.dtype).view(ref.rows, ref.width)
 
     def _check_record(self, ref: PlaneRef) -> None:
-        raw = self.data[ref.offset - HEADER: ref.offset - HEADER + _RECORD.size].numpy().tobytes()
-        magic, pub, rows, width, itemsize = _RECORD.unpack(raw)
-        if (magic, pub, rows, width, itemsize) != (_MAGIC, ref.publication, ref.rows, ref.width,
-                                                   ref.dtype.itemsize):
+        magic, pub, *_ = found = _record(self.data, ref)
+        if found != _expected_record(ref):
             raise DataLoss(f"feature ref {ref.publication} in plane {ref.plane} is stale: the "
                            f"region holds publication {pub if magic == _MAGIC else 'none'} "
                            f"(freed or reused); send these positions' features in the message")
-
-
-class AttachedPlanes:
-    """The planes a draft has attached, by plane id."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.readers: dict[str, PlaneReader] = {}
-
-    @property
-    def transports(self) -> list[str]:
-        """What it can read: shared memory always; CUDA IPC on a CUDA device."""
-        return [t for t in TRANSPORTS if t == "shm" or self.device.type == "cuda"]
-
-    def attach(self, info: PlaneInfo) -> str:
-        """"" when attached (or already), else why not."""
-        if info.plane_id in self.readers:
-            return ""
-        try:
-            self.readers[info.plane_id] = PlaneReader(info, self.device)
-        except (PlaneUnreachable, OSError, ValueError) as e:
-            return str(e)
-        log.info("feature plane attached", extra={"plane": info.plane_id,
-                                                 "transport": info.transport})
-        return ""
-
-    def read(self, ref: PlaneRef) -> torch.Tensor:
-        reader = self.readers.get(ref.plane)
-        if reader is None:
-            raise DataLoss(f"feature plane {ref.plane!r} is not attached here (attached: "
-                           f"{sorted(self.readers) or 'none'}); send the features in the message")
-        return reader.read(ref)

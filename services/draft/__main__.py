@@ -13,7 +13,7 @@ import time
 import torch
 
 from runtime.config import default_model_id
-from services.common import bootstrap, flags
+from services.common import bootstrap, flags, tls
 from services.common.hooks import NO_HOOKS, ServiceHooks
 from services.common.service_flags import add_model_service_flags, check_server_tls
 from services.draft import servicer as draft_servicer
@@ -46,12 +46,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--max-ngram", 4, int, "prompt lookup: longest suffix n-gram matched")
     flags.add(p, "--min-ngram", 1, int, "prompt lookup: shortest suffix n-gram matched")
     flags.add(p, "--feature-dtype", "bfloat16", str, "dtype Propose features arrive in")
+    tls.add_client_flags(p)          # the link to a target's feature stream (another host)
     args = p.parse_args(argv)
     if not args.target_model:
         p.error("--target-model (or DFLASH_TARGET_MODEL) is required")
     if args.drafter == "dflash" and not args.model:
         p.error("--model (or DFLASH_MODEL) is required for --drafter dflash")
     check_server_tls(p, args)
+    try:
+        tls.check_readable(tls.client_from_args(args))
+    except tls.TlsConfigError as e:
+        p.error(str(e))
     return args
 
 
@@ -91,7 +96,8 @@ async def warmup(engine: DraftEngine, drafter: Drafter, delay_s: float) -> None:
 
 def service(args: argparse.Namespace, hooks: ServiceHooks) -> bootstrap.ModelService:
     config = config_from_args(args)
-    servicer = draft_servicer.DraftServicer(config.lease_seconds, config.device)
+    servicer = draft_servicer.DraftServicer(config.lease_seconds, config.device,
+                                            tls.client_from_args(args))
 
     async def start() -> DraftEngine:
         """Drafter (refused when incompatible: DrafterRefused), its KV cache and backend, CUDA

@@ -1,7 +1,6 @@
 """dflash.v1.Draft servicer: protobuf <-> domain objects; request validation; nothing else."""
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
 import grpc
@@ -10,9 +9,11 @@ import torch
 from dflash.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from services.common import call_stream, tensor_codec, validation
 from services.common.errors import DataLoss, InvalidArgument, NotReady, rpc
-from services.common.feature_plane import AttachedPlanes, PlaneInfo, PlaneRef, join_rows
+from services.common.feature_plane import PlaneInfo, PlaneRef, join_rows
+from services.common.tls import ClientTls
 from services.draft.drafter import DrafterFacts
 from services.draft.engine import DraftEngine, ProposeCall
+from services.draft.planes import AttachedPlanes
 
 PROTOCOL_VERSION = 1
 SERVICE_NAME = "dflash.v1.Draft"
@@ -22,11 +23,12 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     """`stage` says what start-up is doing; `engine` is attached once warm-up is done. Until
     then every RPC answers UNAVAILABLE naming the stage."""
 
-    def __init__(self, lease_seconds: float = 0.0, device: str = "cpu") -> None:
+    def __init__(self, lease_seconds: float = 0.0, device: str = "cpu",
+                 stream_tls: ClientTls | None = None) -> None:
         self.stage = "starting"
         self.engine: DraftEngine | None = None
         self.lease_seconds = lease_seconds
-        self.planes = AttachedPlanes(torch.device(device))
+        self.planes = AttachedPlanes(torch.device(device), stream_tls)
 
     def _ready(self) -> tuple[DrafterFacts, DraftEngine]:
         if self.engine is None or self.stage != "ready":
@@ -43,16 +45,13 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     async def AttachPlane(self, request: common_pb2.FeaturePlane, context
                           ) -> draft_pb2.AttachPlaneResponse:
         """The gateway offers a target's feature plane: attached when this process can reach it
-        (the same host's shared memory, a CUDA IPC handle it can open); else the reason."""
+        (the same host's shared memory, a CUDA IPC handle it can open, the target's feature
+        stream at the address given); else the reason."""
         facts, _ = self._ready()
         if not facts.needs_features:
             return draft_pb2.AttachPlaneResponse(attached=False, reason=f"drafter {facts.kind} "
                                                  f"reads no features")
-        if request.transport not in self.planes.transports:
-            return draft_pb2.AttachPlaneResponse(
-                attached=False, reason=f"transport {request.transport!r} not readable here "
-                                       f"(readable: {self.planes.transports})")
-        why = await asyncio.to_thread(self.planes.attach, PlaneInfo.from_pb(request))
+        why = await self.planes.attach(PlaneInfo.from_pb(request))
         return draft_pb2.AttachPlaneResponse(attached=not why, reason=why)
 
     Propose, ProposeStream = call_stream.unary_and_stream("Propose", "propose",
@@ -61,6 +60,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         """Request -> engine call -> response: the one path of Propose and ProposeStream."""
         facts, engine = self._ready()
+        if facts.needs_features:
+            await self.planes.arrive(PlaneRef.from_pb(c.ref) for c in request.feature_chunks
+                                     if c.HasField("ref"))
         result = await engine.propose(propose_call(request, facts, self.planes))
         return draft_pb2.ProposeResponse(draft_tokens=result.draft_tokens,
                                          context_len=result.context_len,

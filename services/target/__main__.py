@@ -42,8 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--verify-state-slots", -1, int, "hybrid models: sequences that can verify blocks "
               "of 2+ tokens (intermediate states; -1 = --state-slots)")
     flags.add(p, "--feature-plane", "auto", str, "where features of committed positions are "
-              "published for a draft on this host or GPU instead of sent through the gateway: "
-              "auto (cuda-ipc on CUDA, and shm) | shm | cuda-ipc | off (always in messages)")
+              "published for the draft instead of sent through the gateway: auto (cuda-ipc on "
+              "CUDA, shm, and stream; the gateway takes the first the draft reaches) | shm (this "
+              "host) | cuda-ipc (this GPU) | stream (pushed to a draft on another host over "
+              "Target.FeatureStream) | off (always in messages)")
     flags.add(p, "--feature-plane-mib", 512, int, "size of each feature plane (full: features "
               "go in messages)")
     args = p.parse_args(argv)

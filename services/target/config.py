@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM
 
-PLANE_CHOICES = ("auto", "shm", "cuda-ipc", "off")     # --feature-plane
+PLANE_CHOICES = ("auto", "shm", "cuda-ipc", "stream", "off")     # --feature-plane
 
 
 @dataclass(frozen=True)

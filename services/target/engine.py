@@ -196,6 +196,9 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         return self.worker.kv_cache.usage()
 
     def _publish_more(self) -> None:
+        """Also the stream planes' events: before every answer (a ref's rows are on their way
+        before the ref is) and after every step."""
+        self.publisher.flush()
         lb = metrics.labels()
         metrics.FEATURE_PLANE_USAGE.labels(lb.model_name, lb.service).set(self.publisher.usage())
         if (pool := self.worker.state_pool) is not None:

@@ -5,7 +5,8 @@ every prompt row (reserved at the first chunk, each chunk writes its rows), each
 committed rows as one more. A publication is freed when a Verify says the draft holds the
 positions it covers (features_consumed), or when the sequence goes. A plane that is full, or one
 this target does not have (it restarted since the gateway chose it), means the features go in
-the message: never an error."""
+the message: never an error. A `stream` plane also reports what is written and freed to its
+feed (services/common/feature_stream.py), flushed once the rows are on the host."""
 from __future__ import annotations
 
 import atexit
@@ -14,6 +15,7 @@ import logging
 import torch
 
 from services.common.feature_plane import PlaneInfo, PlaneWriter, Publication
+from services.common.feature_stream import StreamFeed
 from services.target.sequence import TargetSequence
 
 log = logging.getLogger("dflash.target.publisher")
@@ -21,15 +23,16 @@ log = logging.getLogger("dflash.target.publisher")
 
 def plane_transports(choice: str, device: torch.device) -> list[str]:
     """--feature-plane (checked by TargetConfig) -> the transports to offer (auto: CUDA IPC on a
-    CUDA device, and shared memory everywhere)."""
+    CUDA device, and shared memory and the feature stream everywhere)."""
     if choice == "auto":
-        return (["cuda-ipc"] if device.type == "cuda" else []) + ["shm"]
+        return (["cuda-ipc"] if device.type == "cuda" else []) + ["shm", "stream"]
     return [] if choice == "off" else [choice]
 
 
 class FeaturePublisher:
     def __init__(self, transports: list[str], size_bytes: int, device: torch.device) -> None:
         self.writers: dict[str, PlaneWriter] = {}
+        self.feeds: dict[str, StreamFeed] = {}          # the stream planes' subscribers
         for transport in transports:
             try:
                 writer = PlaneWriter(transport, size_bytes, device)
@@ -37,6 +40,8 @@ class FeaturePublisher:
                 log.warning("feature plane %s unavailable: %s", transport, e)
                 continue
             self.writers[writer.plane_id] = writer
+            if transport == "stream":
+                self.feeds[writer.plane_id] = StreamFeed(writer)
             atexit.register(writer.close)
             log.info("feature plane ready", extra={"plane": writer.plane_id,
                                                   "transport": transport, "bytes": size_bytes})
@@ -66,6 +71,8 @@ class FeaturePublisher:
         writer = self.writers[pub.ref.plane]
         writer.write(pub, first_row, rows)
         self.device_writes |= not writer.on_host
+        if (feed := self.feeds.get(pub.ref.plane)) is not None:
+            feed.written(pub, first_row, rows.shape[0])
 
     def sync(self, device: torch.device) -> None:
         """Before answering: a draft in another process reads what was written."""
@@ -73,20 +80,31 @@ class FeaturePublisher:
             torch.cuda.current_stream(device).synchronize()
             self.device_writes = False
 
+    def flush(self) -> None:
+        """Stream planes: what was written (on the host by now) and freed goes to the feeds'
+        subscribers. Called before every answer and after every step."""
+        for feed in self.feeds.values():
+            feed.flush()
+
     def consumed(self, seq: TargetSequence, position: int) -> None:
         """The draft holds the positions below `position`: publications ending there are freed."""
         keep = []
         for pub, end in seq.publications:
             if end <= position:
-                self.writers[pub.ref.plane].free(pub)
+                self._free(pub)
             else:
                 keep.append((pub, end))
         seq.publications = keep
 
     def drop(self, seq: TargetSequence) -> None:
         for pub, _ in seq.publications:
-            self.writers[pub.ref.plane].free(pub)
+            self._free(pub)
         seq.publications = []
+
+    def _free(self, pub: Publication) -> None:
+        self.writers[pub.ref.plane].free(pub)
+        if (feed := self.feeds.get(pub.ref.plane)) is not None:
+            feed.freed(pub)
 
     def usage(self) -> float:
         return max((w.usage() for w in self.writers.values()), default=0.0)

@@ -1,15 +1,17 @@
 """dflash.v1.Target servicer: protobuf <-> domain objects; validation; nothing else."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
 from dflash.v1 import common_pb2, target_pb2, target_pb2_grpc
 from runtime.draft_tree import DraftTree, tree_problem
 from services.common import call_stream, tensor_codec, validation
-from services.common.errors import InvalidArgument, NotReady, rpc
+from services.common.errors import InvalidArgument, NotFound, NotReady, ServiceError, observed, rpc
 from services.common.feature_plane import PlaneInfo, PlaneRef
+from services.common.feature_stream import StreamFeed
 from services.target.calls import Features
 from services.target.engine import PrefillCall, TargetEngine
 from services.target.worker import TargetWorker
@@ -95,6 +97,35 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         _, engine = self._ready_engine()
         released = await engine.release(validation.sequence_id(request.sequence_id))
         return common_pb2.ReleaseResponse(released=released)
+
+    async def FeatureStream(self, request: common_pb2.FeatureStreamRequest, context
+                            ) -> AsyncIterator[common_pb2.FeatureStreamMessage]:
+        """A draft's subscription to a stream plane: runs until the draft goes (or we stop).
+        Counted and logged as one RPC when it ends."""
+        with observed("FeatureStream", "") as outcome:
+            try:
+                feed = self._feed(request.plane_id)
+            except ServiceError as e:
+                outcome.code = e.code
+                await context.abort(e.code, str(e))
+            messages = feed.subscribe()
+            try:
+                async for msg in messages:
+                    yield msg
+            except asyncio.CancelledError:
+                outcome.code = grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                await messages.aclose()
+
+    def _feed(self, plane_id: str) -> StreamFeed:
+        _, engine = self._ready_engine()
+        feed = engine.publisher.feeds.get(plane_id)
+        if feed is None:
+            raise NotFound(f"no stream feature plane {plane_id!r} here (this target's: "
+                           f"{sorted(engine.publisher.feeds) or 'none'}): it restarted since, or "
+                           f"offers none (--feature-plane)")
+        return feed
 
 
 def _features(features: Features) -> dict:

@@ -13,6 +13,7 @@ TIMEOUT_S = 120.0
 
 class TargetClient:
     def __init__(self, address: str) -> None:
+        self.address = address
         self.channel = grpc.insecure_channel(address, options=[
             ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
         self.stub = target_pb2_grpc.TargetStub(self.channel)
