@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wires", nargs="+", default=list(WIRES), choices=WIRES)
     ap.add_argument("--taus", nargs="+", type=float, default=list(TAUS))
     ap.add_argument("--feature-planes", nargs="+", default=["auto"],
-                    choices=["auto", "cuda-ipc", "shm", "off"],
+                    choices=["auto", "cuda-ipc", "shm", "stream", "off"],
                     help="the target's --feature-plane of each speculative stack (one stack each)")
     args = ap.parse_args(argv)
     tiny_outputs(args, ap, "gpu_side_by_side", ("out",))
