@@ -85,7 +85,7 @@ def test_rows_stream_chunk_by_chunk_and_equal_the_message(worker, monkeypatch):
             raw: list = []
             watcher = asyncio.ensure_future(_raw_messages(info, raw))
             await _until(lambda: len(raw) == 1, "the subscription")
-            assert not raw[0].HasField("ref") and not raw[0].freed      # the empty first one
+            assert not raw[0].rows and not raw[0].freed                 # the empty first one
             prompt = list(range(3, 53))
 
             def call(seq, plane):
@@ -97,10 +97,12 @@ def test_rows_stream_chunk_by_chunk_and_equal_the_message(worker, monkeypatch):
             assert isinstance(ref, PlaneRef) and ref.rows == len(prompt)
             await planes.arrive([ref])
             assert torch.equal(planes.read(ref), inline.features)       # bit for bit
-            await _until(lambda: sum(m.HasField("ref") for m in raw) >= 4, "the chunks")
-            firsts = [m.first_row for m in raw if m.HasField("ref")
-                      and m.ref.publication == ref.publication]
-            assert firsts == list(range(0, len(prompt), BUDGET))       # one message a chunk
+            await _until(lambda: sum(r.ref.publication == ref.publication
+                                     for m in raw for r in m.rows) >= 4, "the chunks")
+            firsts = [(i, r.first_row) for i, m in enumerate(raw) for r in m.rows
+                      if r.ref.publication == ref.publication]
+            assert [f for _, f in firsts] == list(range(0, len(prompt), BUDGET))   # a chunk each
+            assert len({i for i, _ in firsts}) == len(firsts)          # each sent as it was written
 
             step = await engine.verify("s", [streamed.next_token, 7, 8])
             await planes.arrive([step.features])
@@ -151,6 +153,27 @@ def test_a_stream_that_breaks_mid_publication_is_data_loss(worker):
         with pytest.raises(DataLoss, match="not attached"):
             planes.read(pub.ref)
     asyncio.run(body())
+
+
+def test_a_flush_packs_small_publications_together_and_splits_large_ones():
+    writer = PlaneWriter("stream", 16 * MIB, torch.device("cpu"))
+    feed = feature_stream.StreamFeed(writer)
+    small = [writer.reserve(3, 1024, torch.float32) for _ in range(3)]     # 12 KiB each
+    for pub in small:
+        writer.write(pub, 0, torch.randn(3, 1024))
+        feed.written(pub, 0, 3)
+    feed.freed(small[0])
+    (msg,) = feed._messages(feed._pending)
+    assert [r.ref.publication for r in msg.rows] == [p.ref.publication for p in small]
+    assert list(msg.freed) == [small[0].ref.publication]
+    big = writer.reserve(768, 1024, torch.float32)                          # 3 MiB
+    rows = torch.randn(768, 1024)
+    writer.write(big, 0, rows)
+    messages = feed._messages([feature_stream._Rows(big.ref, 0, 768)])
+    assert len(messages) == 3 and all(len(m.rows) == 1 for m in messages)
+    data = b"".join(m.rows[0].data for m in messages)
+    assert data == rows.numpy().tobytes()
+    assert [m.rows[0].first_row for m in messages] == [0, 256, 512]
 
 
 def test_a_freed_region_is_never_sent():

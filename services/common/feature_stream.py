@@ -5,8 +5,8 @@ The target keeps a private host plane (PlaneWriter "stream": the same regions an
 shared-memory plane, in memory nobody else maps). Its engine thread reports what it wrote and
 freed (StreamFeed.written / .freed) and, once the rows are on the host (after the step's sync),
 flushes those events to every subscriber; the RPC handler reads the rows from the plane and sends
-them in messages of about CHUNK_BYTES (a prompt's rows chunk by chunk while its prefill still
-runs). gRPC's flow control paces the sender; a draft that falls behind only keeps regions
+them in messages of about CHUNK_BYTES (several publications to a message; a prompt's rows chunk
+by chunk while its prefill still runs). gRPC's flow control paces the sender; a draft that falls behind only keeps regions
 reserved longer, and a full plane sends features in the answers instead (never an error).
 
 The draft (StreamReader) mirrors the live publications: rows are copied into one host buffer per
@@ -95,36 +95,48 @@ class StreamFeed:
 
     async def subscribe(self) -> AsyncIterator[common_pb2.FeatureStreamMessage]:
         """The messages of one subscription: an empty one first (subscribed), then the events
-        from now on, until the caller stops iterating."""
+        from now on, until the caller stops iterating. A large batch (a prompt's chunk) is
+        copied into messages on a worker thread, so the server's loop keeps answering."""
         entry = (asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self._subscribers.append(entry)
         try:
             yield common_pb2.FeatureStreamMessage()
             while True:
-                for event in await entry[1].get():
-                    for msg in self._messages(event):
-                        yield msg
+                events = await entry[1].get()
+                big = sum(e.rows * e.ref.width * e.ref.dtype.itemsize
+                          for e in events if isinstance(e, _Rows)) > CHUNK_BYTES
+                messages = await asyncio.to_thread(self._messages, events) if big \
+                    else self._messages(events)
+                for msg in messages:
+                    yield msg
         finally:
             with self._lock:
                 self._subscribers.remove(entry)
 
-    def _messages(self, event: _Rows | int) -> list[common_pb2.FeatureStreamMessage]:
-        if isinstance(event, int):
-            return [common_pb2.FeatureStreamMessage(freed=[event])]
-        ref = event.ref
-        row_bytes = ref.width * ref.dtype.itemsize
-        per_msg = max(1, CHUNK_BYTES // row_bytes)
-        out = []
-        for first in range(event.first_row, event.first_row + event.rows, per_msg):
-            n = min(per_msg, event.first_row + event.rows - first)
-            data = self.writer.read_rows(ref, first, n)
-            if data is None:                           # freed meanwhile: its `freed` follows
-                break
-            out.append(common_pb2.FeatureStreamMessage(ref=ref.to_pb(), first_row=first,
-                                                       data=data))
+    def _messages(self, events: list[_Rows | int]) -> list[common_pb2.FeatureStreamMessage]:
+        """One flush's events in as few messages as fit about CHUNK_BYTES of rows each."""
+        out = [common_pb2.FeatureStreamMessage()]
+        size = 0
+        for event in events:
+            if isinstance(event, int):
+                out[-1].freed.append(event)
+                continue
+            ref = event.ref
+            row_bytes = ref.width * ref.dtype.itemsize
+            first, end = event.first_row, event.first_row + event.rows
+            while first < end:
+                if size >= CHUNK_BYTES:
+                    out.append(common_pb2.FeatureStreamMessage())
+                    size = 0
+                n = min(end - first, max(1, (CHUNK_BYTES - size) // row_bytes))
+                data = self.writer.read_rows(ref, first, n)
+                if data is None:                       # freed meanwhile: its `freed` follows
+                    break
+                out[-1].rows.add(ref=ref.to_pb(), first_row=first, data=data)
+                size += len(data)
+                first += n
         return out
-
 
 # -- the draft's side ----------------------------------------------------------------------------
 @dataclass
@@ -172,7 +184,7 @@ class StreamReader:
             await self.close()
             raise PlaneUnreachable(f"the target at {self.info.address} did not open the feature "
                                    f"stream within {OPEN_TIMEOUT_S:.0f} s") from None
-        if first is grpc.aio.EOF or first.HasField("ref") or first.freed:
+        if first is grpc.aio.EOF or first.rows or first.freed:
             await self.close()
             raise PlaneUnreachable(f"the target at {self.info.address} did not open the feature "
                                    f"stream as expected")
@@ -212,14 +224,16 @@ class StreamReader:
             self.on_broken(why)
 
     def _take(self, msg: common_pb2.FeatureStreamMessage) -> None:
+        for rows in msg.rows:
+            self._take_rows(rows)
         for pub in msg.freed:
             entry = self.pubs.pop(pub, None)
             if entry is not None and not entry.done.is_set():
                 entry.error = f"publication {pub} was freed before it was complete"
                 entry.done.set()
-        if not msg.HasField("ref"):
-            return
-        ref = PlaneRef.from_pb(msg.ref)
+
+    def _take_rows(self, piece: common_pb2.FeatureRows) -> None:
+        ref = PlaneRef.from_pb(piece.ref)
         if ref.publication > self.seen:
             self.seen = ref.publication
             self._fail_skipped()
@@ -228,14 +242,14 @@ class StreamReader:
             entry.ref = ref
             entry.buf = torch.empty(ref.nbytes, dtype=torch.uint8)
         row_bytes = ref.width * ref.dtype.itemsize
-        start = msg.first_row * row_bytes
-        if msg.first_row != entry.received or start + len(msg.data) > ref.nbytes:
-            entry.error = (f"publication {ref.publication}: rows from {msg.first_row} arrived "
+        start = piece.first_row * row_bytes
+        if piece.first_row != entry.received or start + len(piece.data) > ref.nbytes:
+            entry.error = (f"publication {ref.publication}: rows from {piece.first_row} arrived "
                            f"after {entry.received}")
             entry.done.set()
             return
-        entry.buf[start: start + len(msg.data)].numpy()[:] = np.frombuffer(msg.data, np.uint8)
-        entry.received += len(msg.data) // row_bytes
+        entry.buf[start: start + len(piece.data)].numpy()[:] = np.frombuffer(piece.data, np.uint8)
+        entry.received += len(piece.data) // row_bytes
         if entry.received == ref.rows:
             entry.done.set()
 
