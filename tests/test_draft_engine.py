@@ -39,6 +39,61 @@ def calls(seed: int) -> list[ProposeCall]:
             for i, n in enumerate(lengths)]
 
 
+def test_a_cancelled_propose_releases_its_sequence(tiny_draft, tiny_qwen3_dir):
+    """Its caller gone (the RPC cancelled, its deadline passed), a Propose's sequence is freed at
+    once - whether the work never ran or ran and could not be answered - and a sequence that a
+    later Propose started anew from position 0 is not."""
+    engine = start_engine(tiny_draft, tiny_qwen3_dir)
+
+    async def held(coro_fn):
+        """Runs coro_fn() while the engine thread is held, cancelled before it is let go."""
+        gate, running = threading.Event(), threading.Event()
+        engine.loop.call(lambda: (running.set(), gate.wait(10)))
+        await asyncio.to_thread(running.wait, 10)
+        task = asyncio.create_task(coro_fn())
+        await asyncio.sleep(0.02)
+        task.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def until_gone(seq_id: str) -> None:
+        for _ in range(100):
+            if seq_id not in engine.seqs:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{seq_id} was not released")
+
+    async def scenario():
+        first = calls(3)[1]
+        await engine.propose(first)                              # q1 exists
+        more = ProposeCall("q1", first.num_new, 1, torch.zeros(1, 64, dtype=torch.bfloat16), [],
+                           5, 8)
+        await held(lambda: engine.propose(more))                 # cancelled before it ran
+        await until_gone("q1")
+        fresh = calls(4)[2]
+        await engine.propose(fresh)                              # q2
+        gate, running = threading.Event(), threading.Event()
+        engine.loop.call(lambda: (running.set(), gate.wait(10)))
+        await asyncio.to_thread(running.wait, 10)
+        given_up = asyncio.create_task(engine.propose(ProposeCall(
+            "q2", fresh.num_new, 1, torch.zeros(1, 64, dtype=torch.bfloat16), [], 5, 8)))
+        await asyncio.sleep(0.01)
+        restart = asyncio.create_task(engine.propose(calls(5)[2]))   # q2 anew, from position 0
+        await asyncio.sleep(0.01)
+        given_up.cancel()                       # its release is queued after the restart
+        await asyncio.sleep(0.01)
+        gate.set()
+        await restart
+        await asyncio.sleep(0.1)                                 # the abandoned release ran
+        assert "q2" in engine.seqs and engine.seqs["q2"].context_len == calls(5)[2].num_new
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.stop()
+
+
 def test_concurrent_proposes_run_as_one_batch(tiny_draft, tiny_qwen3_dir):
     batched = start_engine(tiny_draft, tiny_qwen3_dir)
     single = start_engine(tiny_draft, tiny_qwen3_dir)

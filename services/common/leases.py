@@ -13,6 +13,7 @@ log = logging.getLogger("dflash.leases")
 
 class Leased(Protocol):
     last_used: float               # time.monotonic() of the last use
+    born: float                    # time.monotonic() of its creation
 
 
 class LeaseSweeper:

@@ -5,8 +5,9 @@ that runs `_step` on its one thread, leases, Release, the gauges and the forward
 All sequence state is touched only on the engine thread; RPC handlers submit work and await it."""
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from runtime import threads
 from services.common import metrics
@@ -66,6 +67,22 @@ class SequenceEngine(ABC, Generic[S]):
         """Frees the sequence (False: it was not there). Runs even if its caller goes away."""
         return await self.loop.submit(Work("release", seq_id, None, cost=0, detached=True))
 
+    async def _submit(self, work: Work) -> Any:
+        """Work on a sequence (Prefill, Verify, Propose). If its caller goes away first (the RPC
+        was cancelled or passed its deadline), the sequence is released at once: the caller
+        cannot know what state it was left in and starts it anew, and its memory must not wait
+        for the lease."""
+        try:
+            return await self.loop.submit(work)
+        except asyncio.CancelledError:
+            self.abandoned(work)
+            raise
+
+    def abandoned(self, work: Work) -> None:
+        """The caller of `work` is gone (also after it was answered, when the answer could not
+        be delivered): its sequence is released (any thread)."""
+        self.loop.post(Work("release", work.seq_id, work, cost=0, detached=True))
+
     # -- engine thread -------------------------------------------------------------------------
     @abstractmethod
     def _step(self, batch: list[tuple[Work, int]]) -> None:
@@ -88,6 +105,17 @@ class SequenceEngine(ABC, Generic[S]):
             return False
         self._free(seq)
         return True
+
+    def _release_work(self, work: Work) -> bool:
+        """A Release; or, for an abandoned work (the payload), the release of the sequence it
+        used - not of one that a later call started anew under the same id."""
+        abandoned = work.payload
+        if isinstance(abandoned, Work):
+            seq = self.seqs.get(work.seq_id)
+            if seq is None or (abandoned.state.get("seq") is not seq
+                               and seq.born > abandoned.enqueued_at):
+                return False
+        return self._release(work.seq_id)
 
     def _sweep_leases(self) -> None:
         """At the start of a step: at most once a second (leases.py)."""

@@ -46,8 +46,8 @@ class DraftEngine(SequenceEngine[DraftSequence]):
 
     # -- API used by the servicer (awaitable) ------------------------------------------------
     async def propose(self, call: ProposeCall) -> ProposeResult:
-        return await self.loop.submit(Work("propose", call.seq_id, call,
-                                           cost=call.num_new + call.block_size))
+        return await self._submit(Work("propose", call.seq_id, call,
+                                       cost=call.num_new + call.block_size))
 
     # -- engine thread -------------------------------------------------------------------------
     def _step(self, batch: list[tuple[Work, int]]) -> None:
@@ -59,10 +59,11 @@ class DraftEngine(SequenceEngine[DraftSequence]):
                 continue                    # stays queued: runs next iteration, in order
             seen.add(work.seq_id)
             if work.kind == "release":
-                work.resolve(self._release(work.seq_id))
+                work.resolve(self._release_work(work))
                 continue
             try:
                 admitted.append((work, self._admit(work.payload)))
+                work.state["seq"] = admitted[-1][1].seq     # what an abandoned work releases
             except ServiceError as e:
                 work.fail(e)
         if admitted:

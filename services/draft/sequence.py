@@ -14,6 +14,7 @@ class DraftSequence:
     context_len: int = 0        # positions whose context (features / tokens) is committed
     tokens: list[int] = field(default_factory=list)   # prompt lookup: committed token ids
     last_used: float = field(default_factory=time.monotonic)
+    born: float = field(default_factory=time.monotonic)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()

@@ -38,8 +38,8 @@ class TargetEngine(SequenceEngine[TargetSequence]):
     def __init__(self, worker: TargetWorker) -> None:
         super().__init__(worker.config.token_budget, worker.config.lease_seconds, "target-engine")
         self.worker = worker
-        self.scheduler = TargetScheduler(worker, self.seqs, self._release, self._answer,
-                                         self._refuse)
+        self.scheduler = TargetScheduler(worker, self.seqs, self._release, self._release_work,
+                                         self._answer, self._refuse)
         self.forced = worker.hooks.forced_acceptance     # benchmarks only (TargetHooks)
         cfg = worker.config
         self.publisher = FeaturePublisher(plane_transports(cfg.feature_plane, worker.device),
@@ -47,8 +47,8 @@ class TargetEngine(SequenceEngine[TargetSequence]):
 
     # -- API used by the servicer (awaitable) ------------------------------------------------
     async def prefill(self, call: PrefillCall) -> PrefillResult:
-        return await self.loop.submit(Work("prefill", call.seq_id, call, cost=len(call.token_ids),
-                                           splittable=True))
+        return await self._submit(Work("prefill", call.seq_id, call, cost=len(call.token_ids),
+                                       splittable=True))
 
     async def verify(self, seq_id: str, tokens: list[int], tree: DraftTree | None = None,
                      features_consumed: int = 0) -> VerifyResult:
@@ -57,7 +57,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         features_consumed: the draft holds the features of positions below it."""
         call = VerifyCall(tokens, tree if tree is not None and not tree.is_chain else None,
                           features_consumed)
-        return await self.loop.submit(Work("verify", seq_id, call, cost=len(tokens)))
+        return await self._submit(Work("verify", seq_id, call, cost=len(tokens)))
 
     # -- engine thread -------------------------------------------------------------------------
     def _step(self, batch: list[tuple[Work, int]]) -> None:

@@ -34,11 +34,14 @@ from services.target.worker import TargetWorker
 
 class TargetScheduler:
     def __init__(self, worker: TargetWorker, seqs: dict[str, TargetSequence],
-                 release: Callable[[str], bool], answer: Callable[[Work, object], None],
+                 release: Callable[[str], bool], release_work: Callable[[Work], bool],
+                 answer: Callable[[Work, object], None],
                  refuse: Callable[[Work, ServiceError], None]) -> None:
-        """release(seq_id) frees a sequence; answer / refuse settle a work (gauges first)."""
+        """release(seq_id) frees a sequence, release_work(work) runs a release work (a Release,
+        or an abandoned work's: SequenceEngine); answer / refuse settle a work (gauges first)."""
         self.worker, self.seqs = worker, seqs
-        self.release, self.answer, self.refuse = release, answer, refuse
+        self.release, self.release_work = release, release_work
+        self.answer, self.refuse = answer, refuse
 
     def admit(self, batch: list[tuple[Work, int]]) -> list[Scheduled]:
         """The works of `batch` that run in this iteration's forward (the others are answered
@@ -70,7 +73,7 @@ class TargetScheduler:
     def _admit(self, work: Work, n: int) -> Scheduled | None:
         """Per-work checks and memory; None when the work finished without a forward."""
         if work.kind == "release":
-            self.answer(work, self.release(work.seq_id))
+            self.answer(work, self.release_work(work))
             return None
         if work.kind == "prefill":
             return Scheduled(work, n, self._prefill_sequence(work))

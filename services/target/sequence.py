@@ -24,6 +24,7 @@ class TargetSequence:
     state_slot: int | None = None   # hybrid models: live recurrent state slot
     prefilling: bool = True         # until the last prompt chunk has run (Verify waits)
     last_used: float = field(default_factory=time.monotonic)
+    born: float = field(default_factory=time.monotonic)
     feature_plane: str = ""         # the plane its features are published in ("" = messages)
     # its publications not yet freed, in position order, each with the position it ends before
     publications: list[tuple[Publication, int]] = field(default_factory=list)
