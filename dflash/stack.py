@@ -87,7 +87,9 @@ class Child:
     log_file: object = field(default=None, repr=False)
 
     def start(self) -> None:
-        self.log_file = open(self.log_path, "w")  # noqa: SIM115 - open while the child runs
+        # open while the child runs; readable by this user only (logs name requests)
+        self.log_file = os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                          0o600), "w")
         self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=self.log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -139,7 +141,7 @@ class Stack:
         o = self.opts
         if o.drafter not in DRAFTERS:
             raise ValueError(f"--drafter {o.drafter!r}: allowed {list(DRAFTERS)}")
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.model_dir = o.model_dir or str(_prepare_default_model(o.dtype, o.quiet))
         self.children = []
         draft_model = (o.draft_model or str(self._default_drafter())) if o.drafter == "dflash" else ""

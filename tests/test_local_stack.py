@@ -3,6 +3,7 @@ through the openai client, and nothing left running after SIGTERM - or after the
 killed outright."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -33,6 +34,22 @@ def processes_with(marker: str) -> list[int]:
     return pids
 
 
+def listen_addresses(port: int) -> set[str]:
+    """The addresses a TCP port listens on (/proc/net/tcp and tcp6, state 0A = LISTEN; an
+    IPv4-mapped IPv6 address - how gRPC binds 127.0.0.1 - as its IPv4 address)."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:
+                continue
+            raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1] for i in range(0, len(addr), 8))
+            ip = ipaddress.ip_address(raw)
+            found.add(str(getattr(ip, "ipv4_mapped", None) or ip))
+    return found
+
+
 def launch(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, dict[str, int], Path]:
     ports = {k: free_port() for k in ("http", "port", "target", "draft")}
     log = tmp_path / "up.log"
@@ -55,7 +72,9 @@ def wait_up(proc: subprocess.Popen, log: Path) -> str:
 
 
 def test_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
-    proc, ports, log = launch(tmp_path)
+    metrics_ports = [free_port(), free_port()]
+    proc, ports, log = launch(tmp_path, "--target-metrics-port", str(metrics_ports[0]),
+                              "--draft-metrics-port", str(metrics_ports[1]))
     marker = f"--port {ports['target']}"
     try:
         out = wait_up(proc, log)
@@ -67,6 +86,12 @@ def test_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
                                            messages=[{"role": "user", "content": "Say hi."}],
                                            max_tokens=8)
         assert r.choices[0].message.content and r.usage.completion_tokens >= 1
+        # issue 39: the services' metrics listen on this host only; the logs are the user's
+        for port in [ports["target"], ports["draft"], *metrics_ports]:
+            assert listen_addresses(port) == {"127.0.0.1"}, port
+        logs = tmp_path / "logs"
+        assert logs.stat().st_mode & 0o777 == 0o700
+        assert {f.stat().st_mode & 0o777 for f in logs.glob("*.log")} == {0o600}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         for port in ports.values():

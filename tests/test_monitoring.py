@@ -454,6 +454,11 @@ def log_events(path: Path, message: str) -> list[dict[str, str]]:
     return out
 
 
+def _tag(seq: str) -> str:
+    from services.common.logs import seq_tag
+    return seq if seq.startswith("h:") else seq_tag(seq)
+
+
 @pytest.mark.slow
 def test_logs_follow_a_request_through_all_three_services(run):
     finished = log_events(run.log_dir / "gateway.log", "request finished")
@@ -462,12 +467,12 @@ def test_logs_follow_a_request_through_all_three_services(run):
     http_id = run.http_ids[0].removeprefix("chatcmpl-")          # the response id carries it
     for request_id in (http_id, run.grpc_request_id):
         event = by_id[request_id]
-        seq = event["seq"]
-        assert event["finish_reason"] in ("stop", "length")
+        seq = event["seq"]                   # INFO: the id's tag (DEBUG lines: the id itself)
+        assert seq.startswith("h:") and event["finish_reason"] in ("stop", "length")
         target = {e["method"] for e in log_events(run.log_dir / "target.log", "rpc")
-                  if e.get("seq") == seq}
+                  if _tag(e.get("seq", "")) == seq}
         draft = {e["method"] for e in log_events(run.log_dir / "draft.log", "rpc")
-                 if e.get("seq") == seq}
+                 if _tag(e.get("seq", "")) == seq}
         assert {"Prefill", "Verify", "Release"} <= target, (seq, target)
         assert {"Propose", "Release"} <= draft, (seq, draft)
     # the gRPC request's own "rpc" line (DEBUG here) names its request id too
@@ -486,7 +491,11 @@ def test_log_lines_are_logfmt_and_unknown_levels_are_refused():
     record.__dict__.update({"request_id": "abc", "seq": "gw-1", "why": 'said "no" = bad'})
     line = KeyValueFormatter().format(record)
     fields = {k: json.loads(v) if v.startswith('"') else v for k, v in LOGFMT.findall(line)}
-    assert fields == {"request_id": "abc", "seq": "gw-1", "why": 'said "no" = bad'}
+    # above DEBUG a sequence id (a capability on the services) is written as its tag
+    assert fields == {"request_id": "abc", "seq": _tag("gw-1"), "why": 'said "no" = bad'}
+    assert "gw-1" not in line and re.fullmatch(r"h:[0-9a-f]{12}", fields["seq"])
+    record.levelno = logging.DEBUG
+    assert " seq=gw-1 " in KeyValueFormatter().format(record) + " "
     with pytest.raises(SystemExit) as e:
         setup_logging("VERBOSE")
     assert e.value.code == 2

@@ -81,7 +81,7 @@ async def serve(args: argparse.Namespace, service: ModelService) -> int:
     log.info("listening (NOT_SERVING until ready)", extra={"port": args.port})
     stop = asyncio.Event()
     install_stop_signals(stop)
-    start_metrics(args.metrics_port)
+    start_metrics(args.metrics_port, args.host)
     try:
         engine = await service.start()
     except StartRefused as e:

@@ -3,9 +3,12 @@ with spaces, quotes or `=` is written as a JSON string, so every line parses bac
 
 Request-scoped events carry `request_id` (gateway) and `seq` (the sequence id the gateway gives
 a request on the target and the draft), so one request can be followed through all three logs.
-The level is each service's `--log-level` (env `DFLASH_LOG_LEVEL`)."""
+A sequence id is a capability (whoever knows it can drive the sequence on the services), so
+above DEBUG it is written as a tag, `h:` and 12 hex digits of its SHA-256 - the same in the three
+logs, useless to call with. The level is each service's `--log-level` (env `DFLASH_LOG_LEVEL`)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -26,11 +29,18 @@ class KeyValueFormatter(logging.Formatter):
         base = (f"{self.formatTime(record, '%Y-%m-%dT%H:%M:%S')}.{int(record.msecs):03d} "
                 f"{record.levelname:<5} {record.name} {record.getMessage()}")
         extras = {k: v for k, v in vars(record).items() if k not in _RESERVED}
+        if "seq" in extras and record.levelno > logging.DEBUG:
+            extras["seq"] = seq_tag(str(extras["seq"]))
         if extras:
             base += " " + " ".join(f"{k}={format_value(v)}" for k, v in extras.items())
         if record.exc_info:
             base += "\n" + self.formatException(record.exc_info)
         return base
+
+
+def seq_tag(seq_id: str) -> str:
+    """What a log line above DEBUG shows of a sequence id."""
+    return "h:" + hashlib.sha256(seq_id.encode()).hexdigest()[:12]
 
 
 def setup_logging(level: str = "INFO", service: str = "") -> None:

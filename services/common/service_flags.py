@@ -13,7 +13,9 @@ def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget:
                             drain_help: str,
                             dtype_help: str = "float32 | bfloat16 | float16") -> None:
     flags.add(p, "--port", port, int, "gRPC port")
-    flags.add(p, "--host", "0.0.0.0", str, "listen address")
+    flags.add(p, "--host", "127.0.0.1", str, "listen address of its gRPC and metrics ports (this "
+              "host only by default: the gateway's upstream; 0.0.0.0 to serve other hosts, then "
+              "with client certificates, --tls-client-ca)")
     flags.add(p, "--device", "cpu", str, "cpu | cuda | cuda:N")
     flags.add(p, "--dtype", "float32", str, dtype_help)
     flags.add(p, "--attention-backend", "torch", str, "torch | triton | flashinfer")
