@@ -60,7 +60,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if which == "text":
             if not msg.text:
                 raise RequestError("the prompt text is empty", "prompt")
-            ids = self.service.state.tokenizer.encode(msg.text, add_special_tokens=True)
+            ids = self.service.prompts.encode(msg.text, add_special_tokens=True)
         else:
             ids = list(msg.token_ids.ids)
         s = msg.sampling

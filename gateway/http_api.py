@@ -160,7 +160,7 @@ class OpenAIApi:
                  built: list[GenerationRequest]) -> GenerationRequest:
         """check_model, then the request with its id (kept in `built` for the response id)."""
         self.check_model(body.model)
-        req = replace(body.to_request(body.prompt_ids(self.service.state.tokenizer)),
+        req = replace(body.to_request(body.prompt_ids(self.service.prompts)),
                       request_id=uuid.uuid4().hex)
         built.append(req)
         return req

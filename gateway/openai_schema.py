@@ -18,8 +18,8 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from gateway.prompts import PromptTokenizer
 from gateway.request import UINT64, GenerationRequest, RequestError
-from runtime.tokenizer import ChatTokenizer
 
 
 class _Strict(BaseModel):
@@ -119,7 +119,7 @@ class CompletionRequest(_Sampling):
                 "best_of": (self.best_of in (None, 1), "1"), "echo": (not self.echo, "false"),
                 "logprobs": (self.logprobs is None, "null"), "suffix": (self.suffix is None, "null")}
 
-    def prompt_ids(self, tokenizer: ChatTokenizer) -> list[int]:
+    def prompt_ids(self, tokenizer: PromptTokenizer) -> list[int]:
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
@@ -196,7 +196,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
-    def prompt_ids(self, tokenizer: ChatTokenizer) -> list[int]:
+    def prompt_ids(self, tokenizer: PromptTokenizer) -> list[int]:
         if not self.messages:
             raise RequestError("messages is empty: give at least one message", "messages")
         messages = []

@@ -4,7 +4,8 @@ loop. `open()` is the one way in:
     admission  queue full -> RESOURCE_EXHAUSTED / 429 at once
     readiness  draining or never ready -> UNAVAILABLE at once; ready before (an upstream is
                down or restarting) -> wait for it up to --upstream-wait, then UNAVAILABLE
-    build()    the API's request -> GenerationRequest, validated (INVALID_ARGUMENT)
+    build()    the API's request -> GenerationRequest (chat template and tokenizing on a worker
+               thread: gateway/prompts.py), validated (INVALID_ARGUMENT)
     stream     waits for a running slot, then the loop; cancelling it releases the sequences"""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dflash.v1 import gateway_pb2
 from gateway.admission import Admission, Ticket
 from gateway.generation import Event, Generation
+from gateway.prompts import PromptTokenizer
 from gateway.request import GenerationRequest, Limits, validate
 from gateway.state import GatewayState
 from services.common import metrics
@@ -31,6 +33,7 @@ class GatewayService:
                                    self._publish_load)
         self.draining = False
         self._drain_started = asyncio.Event()
+        self.prompts = PromptTokenizer(state.tokenizer, self._max_prompt_tokens)
 
     # -- the way in ------------------------------------------------------------------------------
     async def open(self, build: Callable[[], GenerationRequest], arrival: float | None = None
@@ -41,7 +44,7 @@ class GatewayService:
         ticket = self.admission.reserve()
         try:
             await self.wait_ready()
-            req = self.prepare(build())
+            req = self.prepare(await asyncio.to_thread(build))
         except BaseException:
             ticket.close()
             raise
@@ -73,6 +76,11 @@ class GatewayService:
         return Limits(vocab_size=caps.vocab_size, max_context=caps.max_context,
                       max_prompt_tokens=cfg.max_prompt_tokens,
                       max_new_tokens=cfg.max_tokens_limit)
+
+    def _max_prompt_tokens(self) -> int:
+        limits = self.limits()
+        room = limits.max_context - 1                  # one position at least to generate
+        return min(room, limits.max_prompt_tokens) if limits.max_prompt_tokens else room
 
     def prepare(self, req: GenerationRequest) -> GenerationRequest:
         """Readiness first (UNAVAILABLE), then the request's own checks (INVALID_ARGUMENT)."""
