@@ -10,6 +10,7 @@ its tokens with no gap over 1.5 s, and /health answers within 1 s every time (me
 Intel Xeon, 2 cores: 0.28 s and 0.23 s; with the code before, 14.5 s and 14.4 s)."""
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -70,7 +71,7 @@ def test_large_prompts_do_not_stall_other_streams_or_health(stack):
     assert sum("cannot fit" in m for _, m, _ in answers) >= 3          # the 7.8 MB ones at once
     assert sum("context holds" in m for _, m, _ in answers) >= 3       # tokenized, then refused
     assert max(health) < MAX_HEALTH_S, max(health)
-    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if burst_start <= b <= burst_end + 1]
+    during = [b - a for a, b in itertools.pairwise(arrivals) if burst_start <= b <= burst_end + 1]
     assert len(arrivals) == 120
     assert max(during, default=0) < MAX_GAP_S, max(during)
     # and the gateway serves the next request normally
