@@ -86,10 +86,13 @@ class Child:
     proc: subprocess.Popen | None = None
     log_file: object = field(default=None, repr=False)
 
-    def start(self) -> None:
+    def start(self, append: bool = False) -> None:
+        """append: a restart (the log goes on after the previous run's)."""
+        if self.log_file:
+            self.log_file.close()
         # open while the child runs; readable by this user only (logs name requests)
-        self.log_file = os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                                          0o600), "w")
+        mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+        self.log_file = os.fdopen(os.open(self.log_path, mode, 0o600), "a" if append else "w")
         self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=self.log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -1,5 +1,5 @@
 """`dflash up`: the local stack (dflash/stack.py) in the foreground until Ctrl-C or SIGTERM, which
-stop all three processes."""
+stop all three processes. A process that dies meanwhile is started again (dflash/supervisor.py)."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,7 @@ from dflash.stack import (
     Stack,
     StackOptions,
 )
+from dflash.supervisor import Supervisor
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wire", default="", choices=("unary", "stream"),
                    help="gateway --wire: Propose/Verify as unary RPCs or on one stream per "
                         "upstream (default: the gateway's)")
+    p.add_argument("--max-running", type=int, default=None,
+                   help="gateway --max-running: requests generating at once")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="gateway --max-waiting: requests queued beyond those (then 429)")
     p.add_argument("--log-dir", default="", help="children's logs (default: under the models home)")
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout_s)
 
@@ -65,7 +70,17 @@ def options_from_args(args: argparse.Namespace, **overrides) -> StackOptions:
         drafter=args.drafter, draft_model=args.draft_model, block_size=args.block_size,
         spec_disable_batch_size=args.spec_disable_batch_size,
         spec_tree_nodes=args.spec_tree_nodes, wire=args.wire, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout,
-        device=args.device, attention_backend=args.attention_backend, **overrides)
+        device=args.device, attention_backend=args.attention_backend,
+        gateway_args=_admission_args(args), **overrides)
+
+
+def _admission_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The gateway's admission flags that were given."""
+    out: tuple[str, ...] = ()
+    for flag, value in (("--max-running", args.max_running), ("--max-waiting", args.max_waiting)):
+        if value is not None:
+            out += (flag, str(value))
+    return out
 
 
 class _Stop(Exception):
@@ -86,10 +101,10 @@ def run(args: argparse.Namespace) -> int:
         stack.wait_ready()
         print(f"dflash stack is up (drafter: {args.drafter})\n{stack.endpoints()}\n"
               f"Ctrl-C stops everything.", flush=True)
-        while (dead := stack.dead_child()) is None:
+        supervisor = Supervisor(stack.children, say=lambda text: print(text, flush=True))
+        while (fatal := supervisor.check()) is None:
             time.sleep(0.5)
-        print(f"{dead.name} exited with {dead.exited()}; stopping. Log tail:\n{dead.tail()}",
-              file=sys.stderr)
+        print(fatal, file=sys.stderr)
         return 1
     except _Stop:
         print("stopping ...", flush=True)

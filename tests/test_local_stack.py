@@ -12,17 +12,23 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from openai import OpenAI
 from support.gateway_stack import wait_until
 from support.procs import REPO, free_port
 
+from dflash.stack import Child
+from dflash.supervisor import RestartPolicy, Supervisor
+from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
 pytestmark = pytest.mark.slow
 
 
-def processes_with(marker: str) -> list[int]:
-    """pids whose command line contains marker (a port only this test uses)."""
-    pids = []
+def _processes(marker: str) -> dict[int, str]:
+    """pid -> command line, of the processes whose command line contains marker (a port only
+    this test uses)."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
@@ -30,8 +36,16 @@ def processes_with(marker: str) -> list[int]:
             except OSError:
                 continue
             if marker in cmd:
-                pids.append(int(entry.name))
-    return pids
+                found[int(entry.name)] = cmd
+    return found
+
+
+def processes_with(marker: str) -> list[int]:
+    return list(_processes(marker))
+
+
+def processes_cmdlines(marker: str) -> list[str]:
+    return list(_processes(marker).values())
 
 
 def listen_addresses(port: int) -> set[str]:
@@ -114,6 +128,70 @@ def test_killed_launcher_leaves_no_orphans(tmp_path):
     finally:
         for pid in processes_with(f"--port {ports['target']}"):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_service_is_started_again_and_the_stream_finishes_identical(tmp_path):
+    """Issue 39, hole 7: under dflash up (prompt lookup), the target is killed -9 in the middle
+    of a greedy stream; the launcher starts it again on its port, the gateway prefills the
+    committed tokens again, and the stream ends with the tokens of an undisturbed run. The
+    admission flags reach the gateway."""
+    proc, ports, log = launch(tmp_path, "--drafter", "prompt-lookup", "--max-running", "3",
+                              "--max-waiting", "5")
+    marker = f"--port {ports['target']}"
+    try:
+        wait_up(proc, log)
+        gateway_cmd = " ".join(processes_cmdlines(f"--http-port {ports['http']}"))
+        assert "--max-running 3" in gateway_cmd and "--max-waiting 5" in gateway_cmd
+        channel = grpc.insecure_channel(f"127.0.0.1:{ports['port']}")
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        req = gateway_pb2.GenerateRequest(text="Count from one to fifty in words:", max_tokens=96,
+                                          ignore_eos=True,
+                                          sampling=common_pb2.SamplingParams(temperature=0))
+        undisturbed = [t for m in stub.Generate(req, timeout=300) for t in m.token_ids]
+        tokens: list[int] = []
+        for i, msg in enumerate(stub.Generate(req, timeout=300)):
+            tokens += msg.token_ids
+            if i == 3:
+                (pid,) = processes_with(marker)
+                os.killpg(pid, signal.SIGKILL)
+        assert tokens == undisturbed
+        out = log.read_text()
+        assert "target exited with -9; starting it again in 1.0 s" in out
+        assert "target started again (restart 1)" in out
+        assert proc.poll() is None                           # the launcher serves on
+        channel.close()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_supervisor_backs_off_and_gives_up(tmp_path):
+    """Real children that exit at once: restarted after 0.1, 0.2, 0.4 s (doubling), each run's
+    log appended; after the limit the supervisor says why it stops; exit 2 (refused) stops at
+    once."""
+    said: list[str] = []
+    policy = RestartPolicy(initial_s=0.1, max_s=1.0, limit=3, window_s=60)
+    crash = Child("crash", [sys.executable, "-c", "print('run'); raise SystemExit(1)"],
+                  tmp_path / "crash.log")
+    crash.start()
+    sup = Supervisor([crash], policy, said.append)
+    t0, fatal = time.monotonic(), None
+    while fatal is None and time.monotonic() - t0 < 30:
+        fatal = sup.check()
+        time.sleep(0.01)
+    assert fatal is not None and "3 restarts within 60 s" in fatal
+    starts = [line for line in said if "starting it again" in line]
+    assert [re.search(r"in ([\d.]+) s", line).group(1) for line in starts] == ["0.1", "0.2", "0.4"]
+    assert crash.log_path.read_text().count("run") == 4       # the first run and 3 restarts
+    refused = Child("refused", [sys.executable, "-c", "raise SystemExit(2)"],
+                    tmp_path / "refused.log")
+    refused.start()
+    refused.proc.wait(30)
+    assert "refused to start (exit 2)" in Supervisor([refused], policy, said.append).check()
 
 
 def test_demo_prints_answer_speed_and_acceptance(tmp_path):
