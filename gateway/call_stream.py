@@ -102,9 +102,11 @@ class CallStream:
         if not tasks:
             self._withdrawals.pop(sequence_id, None)
 
-    async def close(self) -> None:
+    async def close(self, why: str = "the gateway is closing its upstream channel") -> None:
+        """Ends the current stream: its calls in flight fail UNAVAILABLE; the next call opens
+        another."""
         if self._stream is not None:
-            await self._stream.close("the gateway is closing its upstream channel")
+            await self._stream.close(why)
 
     def _current(self) -> _Stream:
         if self._stream is None or self._stream.broken:

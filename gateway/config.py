@@ -37,6 +37,8 @@ class GatewayConfig:
     release_timeout_s: float = 5.0
     max_message_mib: int = 256           # matches the services' limit
     keepalive_s: float = 30.0            # client pings; the services accept >= 10 s
+    liveness_timeout_s: float = 3.0      # a health Check unanswered this long: the upstream is down (0 = off)
+    liveness_interval_s: float = 2.0     # how often a SERVING upstream is asked
     max_running: int = 256               # requests in the loop at once; more wait (gauge "waiting")
     max_waiting: int = 512               # requests waiting for a slot; past it 429 / RESOURCE_EXHAUSTED
     retry_after_s: float = 1.0           # Retry-After hint of a 429
@@ -62,6 +64,9 @@ class GatewayConfig:
             raise ValueError(f"--wire {self.wire!r}: allowed {list(WIRES)}")
         if self.keepalive_s < 10:
             raise ValueError("--keepalive-s must be >= 10: the services reject pings more often")
+        if self.liveness_timeout_s < 0 or self.liveness_interval_s <= 0:
+            raise ValueError("--liveness-timeout must be >= 0 (0 = off) and --liveness-interval "
+                             "> 0")
         if self.block_size < 0 or self.max_running < 1 or self.max_waiting < 0:
             raise ValueError("--block-size must be >= 0, --max-running >= 1, --max-waiting >= 0")
         if self.spec_tree_nodes < 0:
@@ -104,6 +109,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               "all on one long-lived bidirectional stream per upstream", choices=WIRES)
     flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
     flags.add(p, "--keepalive-s", 30.0, float, "keepalive ping interval to upstreams (>= 10)")
+    flags.add(p, "--liveness-timeout", 3.0, float, "an upstream that leaves a health Check "
+              "unanswered this long (frozen, overloaded) is treated as down: not ready, its calls "
+              "in flight fail over as for a dead one (0 = off)")
+    flags.add(p, "--liveness-interval", 2.0, float, "seconds between the health Checks of a "
+              "SERVING upstream")
     flags.add(p, "--max-running", 256, int, "requests generating at once (more wait)")
     flags.add(p, "--max-waiting", 512, int, "requests waiting for a slot; more get 429 / "
               "RESOURCE_EXHAUSTED at once")
@@ -137,6 +147,7 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         backoff_initial_s=args.backoff_initial, backoff_max_s=args.backoff_max,
         prefill_timeout_s=args.prefill_timeout, step_timeout_s=args.step_timeout, wire=args.wire,
         max_message_mib=args.max_message_mib, keepalive_s=args.keepalive_s,
+        liveness_timeout_s=args.liveness_timeout, liveness_interval_s=args.liveness_interval,
         max_running=args.max_running, max_waiting=args.max_waiting,
         retry_after_s=args.retry_after, pending_feature_mib=args.pending_feature_mib,
         upstream_wait_s=args.upstream_wait, pool_wait_s=args.pool_wait,

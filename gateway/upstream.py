@@ -1,5 +1,11 @@
 """One upstream service (target or draft): a long-lived grpc.aio channel, a grpc.health.v1 Watch
-that follows its readiness, and its capabilities - fetched only after it reports SERVING."""
+that follows its readiness, and its capabilities - fetched only after it reports SERVING.
+
+Liveness: a Watch says nothing when the process stops answering (frozen, SIGSTOP, a wedged loop:
+the connection stays up). So a SERVING upstream is also asked a health Check every
+--liveness-interval; one unanswered for --liveness-timeout marks it down, and its calls in flight
+fail UNAVAILABLE at once - as when it dies - instead of each waiting out its deadline: the
+requests wait for it within --upstream-wait and rebuild their sequences when it answers again."""
 from __future__ import annotations
 
 import asyncio
@@ -86,15 +92,21 @@ class Upstream:
         self.model_name = ""                    # metrics label, set once known
         self._watch_call: Any = None
         self._task: asyncio.Task | None = None
+        self._probe: asyncio.Task | None = None
+        self._unary: set[Any] = set()           # unary calls in flight (cut when it freezes)
+        self._cut = ""                          # why the calls in flight were cut
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._watch_forever(), name=f"watch-{self.role}")
+        if self.config.liveness_timeout_s > 0:
+            self._probe = asyncio.create_task(self._probe_forever(), name=f"probe-{self.role}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._probe):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for stream in self.streams.values():
             await stream.close()
         await self.channel.close(grace=None)
@@ -115,11 +127,26 @@ class Upstream:
         try:
             if method in self.streams and request.ByteSize() <= STREAM_MAX_BYTES:
                 return await self._streamed(method, request, timeout)
-            return await getattr(self.stub, method)(request, timeout=timeout)
+            return await self._unary_call(method, request, timeout)
         except grpc.aio.AioRpcError as e:
             raise self._failed(method, e.code(), e.details() or "") from None
         except CallFailed as e:
             raise self._failed(method, e.code, e.details) from None
+
+    async def _unary_call(self, method: str, request: Any, timeout: float) -> Any:
+        """A unary call that the liveness probe can cut (then UNAVAILABLE, not a cancellation
+        of the caller)."""
+        call = getattr(self.stub, method)(request, timeout=timeout)
+        self._unary.add(call)
+        try:
+            return await call
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call.cancelled() and self._cut and not (task and task.cancelling()):
+                raise CallFailed(grpc.StatusCode.UNAVAILABLE, self._cut) from None
+            raise
+        finally:
+            self._unary.discard(call)
 
     async def settled(self, sequence_id: str) -> None:
         """Returns once this sequence's cancelled calls on the call streams are answered (bounded):
@@ -146,7 +173,7 @@ class Upstream:
             if stream is not None:
                 log.warning("%s: %s; sending %s calls unary", self.role, e.details, method)
                 await stream.close()
-            return await getattr(self.stub, method)(request, timeout=timeout)
+            return await self._unary_call(method, request, timeout)
 
     def _failed(self, method: str, code: grpc.StatusCode, details: str) -> UpstreamError:
         self.count_error(code)
@@ -157,6 +184,30 @@ class Upstream:
     def count_error(self, code: grpc.StatusCode) -> None:
         if self.model_name:
             metrics.UPSTREAM_ERRORS.labels(self.model_name, self.role, code.name).inc()
+
+    # -- liveness --------------------------------------------------------------------------
+    async def _probe_forever(self) -> None:
+        req = health_pb2.HealthCheckRequest(service=self.service_name)
+        timeout = self.config.liveness_timeout_s
+        while True:
+            await asyncio.sleep(self.config.liveness_interval_s)
+            if not self.serving:
+                continue                        # the Watch follows it until it is back
+            try:
+                await self._health.Check(req, timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.serving:
+                    await self._frozen(f"it left a health Check unanswered for {timeout:g} s "
+                                       f"(--liveness-timeout)")
+
+    async def _frozen(self, why: str) -> None:
+        """Down now: not ready, and every call in flight fails UNAVAILABLE."""
+        self._cut = f"{self.role} at {self.address} is not answering: {why}"
+        self.mark_failed(why)
+        for stream in self.streams.values():
+            await stream.close(self._cut)
+        for call in list(self._unary):
+            call.cancel()
 
     # -- health watch ----------------------------------------------------------------------
     async def _watch_forever(self) -> None:
@@ -205,6 +256,7 @@ class Upstream:
             self.generation += 1            # a restart with the same capabilities keeps it
         self.capabilities = caps
         self.serving_epoch += 1
+        self._cut = ""
         log.info("%s at %s is SERVING; capabilities fetched", self.role, self.address,
                  extra={"seconds": round(time.monotonic() - t0, 3)})
         self._set(True, "SERVING")

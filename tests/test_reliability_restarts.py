@@ -11,7 +11,9 @@
 Figures are printed (`pytest -s`) with the prefix RELIABILITY for docs/reliability.md."""
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 
 import grpc
@@ -107,6 +109,40 @@ def test_target_killed_during_8_streams(model, logs, reference):
         report("target_kill", streams=8, tokens_per_stream=N, in_flight_at_kill=in_flight,
                sequences_rebuilt=len(recovered), target_down_s=round(down_s, 1),
                tokens_lost=0, tokens_repeated=0, identical=8)
+    finally:
+        st.stop()
+
+
+def test_a_frozen_target_is_noticed_and_waited_for(model, logs, reference):
+    """Issue 39, hole 6: the target stops answering (SIGSTOP: its connections stay up) during 8
+    streams. The gateway's health Check goes unanswered, so within a few seconds it reports not
+    ready and fails the calls in flight over as for a dead target (before: ready for about 60 s,
+    then every stream ended DEADLINE_EXCEEDED). When the target answers again (SIGCONT) the
+    requests rebuild their sequences and finish identical to an undisturbed run, and the target
+    frees the sequences of the abandoned calls."""
+    st = start_stack(model, logs, "--upstream-wait", "120", drafter="none")
+    try:
+        streams = Streams(st.gateway.stub, [request(p, N) for p in PROMPTS]).start()
+        streams.wait_tokens(16)
+        os.killpg(st.target.proc.pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        try:
+            wait_for(lambda: st.gateway.readiness()[0] != 200, 15, "the gateway not ready")
+            noticed_s = time.monotonic() - t_stop
+            time.sleep(1.0)
+        finally:
+            os.killpg(st.target.proc.pid, signal.SIGCONT)
+        results = streams.join()
+        errors = [r.error for r in results if r.error is not None]
+        assert not errors, errors[0]
+        for i, r in enumerate(results):
+            assert r.tokens == reference[i][:N], f"stream {i} differs from the undisturbed run"
+        log = st.gateway.log()
+        assert "left a health Check unanswered" in log
+        assert noticed_s < 8, noticed_s
+        assert_released(st)
+        report("target_frozen", streams=8, noticed_s=round(noticed_s, 1),
+               sequences_rebuilt=len(recovered_sequences(log, "UNAVAILABLE")), identical=8)
     finally:
         st.stop()
 
