@@ -4,7 +4,7 @@
     python -m dflash.harness draft  [HOOKS] -- SERVICE FLAGS     (as python -m services.draft)
 
 HOOKS: --warmup-delay S, --random-weights (both); target only: --force-tau T, --hybrid-wrapper,
---no-mamba-commit, --skip-mamba-commit. The services themselves read no such flag or
+--no-mamba-commit, --skip-mamba-commit. (TargetHooks.nan_logits_for is for in-process tests.) The services themselves read no such flag or
 environment variable: a deployment cannot switch them on. Every hook in use is logged loudly."""
 from __future__ import annotations
 

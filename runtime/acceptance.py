@@ -85,12 +85,21 @@ def rejection_accept(drafts: list[int], probs: torch.Tensor, generator: torch.Ge
 
 
 # -- one batch, decided on the device -------------------------------------------------------------
+def sanitized(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [N, V] of one sequence -> (probs a multinomial can draw from, ok: a 0-d bool on the
+    device, False when they were not finite or summed to 0 - then the draw is meaningless and
+    the sequence fails alone, instead of the whole batch's sampling raising)."""
+    ok = torch.isfinite(probs).all() & (probs.sum(dim=-1) > 0).all()
+    return torch.where(ok, probs, torch.ones_like(probs)), ok
+
+
 @dataclass(frozen=True)
 class Decided:
     """What the device decided for one work of a batch, on the host."""
     argmax: list[int] = field(default_factory=list)   # greedy token at each of its logits rows
     accepted: int | None = None          # a chain verify: accepted drafts ...
     token: int | None = None             # ... and its bonus; a finished prefill: its next token
+    failed: str = ""                     # why its rows could not be decided ("" = they were)
 
 
 @dataclass(frozen=True)
@@ -102,14 +111,18 @@ class _Ask:
     part: str = ""                       # "greedy" | "sampled" | "token" (the argmax row is
                                          # the token) | "" (argmax rows only)
     at: int = -1
-    width: int = 0                       # values at `at`: 2 (a, bonus) or 1 (a token)
+    width: int = 0                       # values at `at`: 2 (a, bonus) or 1 (a token); a
+                                         # sampled part also has its ok flag after them
 
 
 class BatchDecisions:
     """Collects the decisions one forward's logits [R, V] need - chain acceptance (greedy, batched;
     or rejection sampling per sequence), tree argmax rows, a prefill's next token - then reads
-    them back in one device -> host transfer: [argmax of every row | (a, bonus) per greedy
-    chain | the sampled parts]. Call one ask method per work, in order, then `read()`."""
+    them back in one device -> host transfer: [argmax of every row | whether each row is usable |
+    (a, bonus) per greedy chain | the sampled parts, each with its ok flag]. Call one ask method
+    per work, in order, then `read()`. A work with an unusable logits row (a NaN or +inf, or
+    every value -inf), or whose sampling probabilities are not finite (Decided.failed), fails
+    alone: the others are decided as usual."""
 
     def __init__(self, logits: torch.Tensor | None) -> None:
         self.logits = logits
@@ -128,8 +141,8 @@ class BatchDecisions:
             return
         device = self.logits.device
         d = torch.tensor(list(drafts), dtype=torch.int64).to(device, non_blocking=True)
-        probs = target_probs(self.logits[row: row + n], sampling)
-        self._sample(_Ask(row, n), rejection_accept_device(d, probs, generator))
+        probs, ok = sanitized(target_probs(self.logits[row: row + n], sampling))
+        self._sample(_Ask(row, n), rejection_accept_device(d, probs, generator), ok)
 
     def tree(self, row: int, rows: int) -> None:
         """A tree verify: its argmax rows alone (the path is walked on the host)."""
@@ -141,35 +154,47 @@ class BatchDecisions:
         if sampling.greedy:
             self.asks.append(_Ask(row, 1, "token"))
             return
-        probs = target_probs(self.logits[row: row + 1], sampling)
-        self._sample(_Ask(row, 1), torch.multinomial(probs[0], 1, generator=generator))
+        probs, ok = sanitized(target_probs(self.logits[row: row + 1], sampling))
+        self._sample(_Ask(row, 1), torch.multinomial(probs[0], 1, generator=generator), ok)
 
     def nothing(self) -> None:
         """A prefill chunk that is not the prompt's last: no logits rows."""
         self.asks.append(_Ask(0, 0))
 
-    def _sample(self, ask: _Ask, values: torch.Tensor) -> None:
+    def _sample(self, ask: _Ask, values: torch.Tensor, ok: torch.Tensor) -> None:
         self.asks.append(_Ask(ask.row, ask.rows, "sampled", self.sampled_size, values.numel()))
-        self.sampled.append(values)
-        self.sampled_size += values.numel()
+        self.sampled.append(torch.cat([values.view(-1), ok.view(1).to(values.dtype)]))
+        self.sampled_size += values.numel() + 1
 
     def read(self) -> list[Decided]:
         """One decision per ask, in order (one host sync)."""
         if self.logits is None:
             return [Decided() for _ in self.asks]
         argmax = self.logits.argmax(dim=-1)                            # [R]
+        top = self.logits.amax(dim=-1)            # NaN when a row has one; -inf: all masked
+        finite = ((top > float("-inf")) & (top < float("inf"))).to(argmax.dtype)
         greedy = (_greedy_rows(self.greedy, argmax).flatten() if self.greedy
                   else argmax.new_empty(0))
-        flat = torch.cat([argmax, greedy, *self.sampled]).tolist()
-        starts = {"greedy": argmax.numel(), "sampled": argmax.numel() + greedy.numel()}
+        flat = torch.cat([argmax, finite, greedy, *self.sampled]).tolist()
+        r = argmax.numel()
+        starts = {"finite": r, "greedy": 2 * r, "sampled": 2 * r + greedy.numel()}
         return [_decided(ask, flat, starts) for ask in self.asks]
 
 
 def _decided(ask: _Ask, flat: list[int], starts: dict[str, int]) -> Decided:
     argmax = flat[ask.row: ask.row + ask.rows]
+    finite = flat[starts["finite"] + ask.row: starts["finite"] + ask.row + ask.rows]
+    if not all(finite):
+        return Decided(argmax, failed=f"the target's logits at {finite.count(0)} of this "
+                                      f"sequence's {ask.rows} rows are not usable (NaN, +inf, "
+                                      f"or every token masked)")
     if ask.part in ("", "token"):
         return Decided(argmax, None, argmax[0] if ask.part == "token" else None)
-    values = flat[starts[ask.part] + ask.at: starts[ask.part] + ask.at + ask.width]
+    at = starts[ask.part] + ask.at
+    values = flat[at: at + ask.width]
+    if ask.part == "sampled" and not flat[at + ask.width]:
+        return Decided(argmax, failed="its sampling probabilities (after temperature, top-k and "
+                                      "top-p) are not finite or sum to 0")
     if ask.width == 1:
         return Decided(argmax, None, values[0])
     return Decided(argmax, values[0], values[1])

@@ -47,6 +47,12 @@ class DataLoss(ServiceError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class Internal(ServiceError):
+    """A computation failed for one sequence (its maths went non-finite): that call fails, the
+    batch it was in completes for everyone else."""
+    code = grpc.StatusCode.INTERNAL
+
+
 class DeadlineExceeded(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

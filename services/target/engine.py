@@ -21,9 +21,10 @@ from runtime.acceptance import (
 from runtime.draft_tree import DraftTree
 from services.common import metrics
 from services.common.engine_loop import Work
+from services.common.errors import Internal
 from services.common.feature_plane import PlaneRef, Publication
 from services.common.sequence_engine import SequenceEngine
-from services.target.batch import BatchPlan, Scheduled
+from services.target.batch import BatchPlan, Part, Scheduled
 from services.target.calls import PrefillCall, PrefillResult, VerifyCall, VerifyResult
 from services.target.features import Destination, FeatureFetch
 from services.target.publisher import FeaturePublisher, plane_transports
@@ -77,17 +78,20 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         logits = self.worker.logits(_rows(out.hidden, plan.logit_rows)) if plan.logit_rows else None
         if logits is not None:
             plan.suppress_stop_tokens(logits, list(self.worker.facts.eos_token_ids))
+            self._poison(plan, logits)
         decided = self._decide(plan, logits)
+        parts = [p for p, d in zip(plan.parts, decided) if not self._failed(p.item, d)]
+        decided = [d for d in decided if not d.failed]
         accepted = [self._accept(p.item, d) if p.item.is_verify else None
-                    for p, d in zip(plan.parts, decided)]
-        features = self._features(plan, out.captured, accepted)
-        for part, d, acc, f in zip(plan.parts, decided, accepted, features):
+                    for p, d in zip(parts, decided)]
+        features = self._features(parts, plan.capture, out.captured, accepted)
+        for part, d, acc, f in zip(parts, decided, accepted, features):
             if acc is None:
                 self._prefill_chunk_done(part.item, f, d.token)
             else:
                 self._answer(part.item.work, VerifyResult(acc.accepted, acc.tokens, _ref(f),
                                                           part.item.seq.seq_len))
-        self._commit_mamba_states(plan, accepted)
+        self._commit_mamba_states(parts, accepted)
         self.stats.record_forward(len(items), len(plan.ids), time.perf_counter() - t0)
 
     def _decide(self, plan: BatchPlan, logits: torch.Tensor | None) -> list[Decided]:
@@ -104,6 +108,28 @@ class TargetEngine(SequenceEngine[TargetSequence]):
             else:
                 decisions.nothing()
         return decisions.read()
+
+    def _failed(self, item: Scheduled, decided: Decided) -> bool:
+        """A work whose rows could not be decided fails alone (INTERNAL, saying why): a verify
+        commits nothing (its block's pages go back), a prefill leaves no sequence."""
+        if not decided.failed:
+            return False
+        seq = item.seq
+        if item.is_verify:
+            self.worker.kv_cache.trim(seq.table, seq.seq_len)
+        else:
+            self._release(seq.seq_id)
+        self._refuse(item.work, Internal(
+            f"{'Verify' if item.is_verify else 'Prefill'} of sequence {seq.seq_id!r} failed: "
+            f"{decided.failed}; the other sequences of its batch were not affected"))
+        return True
+
+    def _poison(self, plan: BatchPlan, logits: torch.Tensor) -> None:
+        """Tests only (TargetHooks.nan_logits_for): NaN logits for some sequences."""
+        prefix = self.worker.hooks.nan_logits_for
+        for part in plan.parts if prefix else ():
+            if part.item.seq.seq_id.startswith(prefix) and part.item.logit_rows:
+                logits[part.logit_row: part.logit_row + part.item.logit_rows] = float("nan")
 
     def _accept(self, item: Scheduled, decided: Decided) -> Acceptance:
         """Commits a verified block: the anchor and the accepted drafts now have KV (a tree's
@@ -132,12 +158,12 @@ class TargetEngine(SequenceEngine[TargetSequence]):
             self.worker.kv_cache.copy_positions(seq.table, [start + r for r, _ in moved],
                                                 [start + j for _, j in moved])
 
-    def _features(self, plan: BatchPlan, captured: torch.Tensor | None,
+    def _features(self, parts: list[Part], capture: tuple[int, ...], captured: torch.Tensor | None,
                   accepted: list[Acceptance | None]) -> list[torch.Tensor | Publication | None]:
         """Every part's committed rows of the tapped layers: on the host (one transfer), or
         written to the sequence's plane (then synchronized: the draft reads them next)."""
-        fetch = FeatureFetch(captured, plan.capture, self.publisher)
-        for part, acc in zip(plan.parts, accepted):
+        fetch = FeatureFetch(captured, capture, self.publisher)
+        for part, acc in zip(parts, accepted):
             rows = acc.rows if acc is not None else range(part.item.n)
             fetch.add(part.item.seq, part.row, rows, self._destination(part.item, len(rows)))
         features = fetch.fetch()
@@ -177,11 +203,11 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         features = pub.ref if pub is not None else torch.cat(chunks) if chunks else None
         self._answer(work, PrefillResult(token, features, seq.seq_len))
 
-    def _commit_mamba_states(self, plan: BatchPlan, accepted: list[Acceptance | None]) -> None:
+    def _commit_mamba_states(self, parts: list[Part], accepted: list[Acceptance | None]) -> None:
         """Hybrid models: each verified sequence keeps the recurrent state of its last
         committed block row (docs/architecture.md §6)."""
         commits = [(p.item.seq.state_slot, acc.accepted)
-                   for p, acc in zip(plan.parts, accepted) if acc is not None]
+                   for p, acc in zip(parts, accepted) if acc is not None]
         if commits and self.worker.facts.hybrid:
             self.worker.commit_mamba_state(commits)
 

@@ -21,6 +21,8 @@ class TargetHooks(ServiceHooks):
                                        # the tests that prove the commit matters
     forced_acceptance: AcceptanceOverride | None = None   # benchmarks: accepted drafts per chain
                                        # verify (the output is NOT the target's; speed only)
+    nan_logits_for: str = ""           # tests: sequences whose id starts with this get NaN
+                                       # logits (per-sequence failure isolation)
 
 
 NO_TARGET_HOOKS = TargetHooks()        # what a deployment runs with
