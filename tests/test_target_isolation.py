@@ -19,6 +19,7 @@ from services.target.hooks import TargetHooks
 from services.target.worker import TargetWorker
 
 PROMPT = list(range(3, 30))
+GREEDY = SamplingConfig()
 SAMPLED = SamplingConfig(temperature=0.8, top_p=0.9, seed=7)
 
 
@@ -44,7 +45,7 @@ async def _batched(engine: TargetEngine, *coros):
     return await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _prefill(seq: str, sampling: SamplingConfig = SamplingConfig()) -> PrefillCall:
+def _prefill(seq: str, sampling: SamplingConfig = GREEDY) -> PrefillCall:
     return PrefillCall(seq, PROMPT, sampling, (), None)
 
 
