@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 from dflash.harness import NO_HOOK_FLAGS, HookFlags
 from runtime.attention.registry import default_backend
 from runtime.home import models_home
+from services.common import internal_auth
 
 DEFAULT_DRAFTER = "dflash"
 # Verify block of a DFlash stack on the CPU when --block-size is 0: there a verify of 1..4 tokens
@@ -76,6 +78,10 @@ class StackOptions:
     target_hooks: HookFlags = NO_HOOK_FLAGS   # tests and benchmarks: through dflash.harness
     draft_hooks: HookFlags = NO_HOOK_FLAGS
     gateway_args: tuple[str, ...] = ()
+    # the internal ports' shared secret (services/common/internal_auth.py), handed to the three
+    # processes in their environment: None = $DFLASH_INTERNAL_TOKEN, else a new random one;
+    # "" = none (the ports are open to anyone on this host)
+    internal_token: str | None = None
 
 
 @dataclass
@@ -83,6 +89,7 @@ class Child:
     name: str
     argv: list[str]
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict, repr=False)   # added to the environment
     proc: subprocess.Popen | None = None
     log_file: object = field(default=None, repr=False)
 
@@ -95,7 +102,7 @@ class Child:
         self.log_file = os.fdopen(os.open(self.log_path, mode, 0o600), "a" if append else "w")
         self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=self.log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
                                      preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads yet
 
     def exited(self) -> int | None:
@@ -130,6 +137,10 @@ class Stack:
         self.log_dir = Path(opts.log_dir or models_home() / "logs" / time.strftime("%Y%m%d-%H%M%S"))
         self.children: list[Child] = []
         self.model_dir = ""
+        token = opts.internal_token
+        if token is None:
+            token = os.environ.get(internal_auth.ENV) or secrets.token_urlsafe(32)
+        self.internal_token = token
 
     @property
     def http_url(self) -> str:
@@ -236,7 +247,8 @@ class Stack:
 
     def _add(self, name: str, module: list[str], *args) -> None:
         argv = [sys.executable, "-m", *module, *[str(a) for a in args]]
-        self.children.append(Child(name, argv, self.log_dir / f"{name}.log"))
+        self.children.append(Child(name, argv, self.log_dir / f"{name}.log",
+                                   {internal_auth.ENV: self.internal_token}))
 
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.exited() is not None), None)

@@ -5,7 +5,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from gateway.auth import load_keys
-from services.common import flags, tls
+from services.common import flags, internal_auth, tls
 from services.common.tls import ClientTls, ServerTls
 
 MiB = 1024 * 1024
@@ -52,6 +52,7 @@ class GatewayConfig:
     server_tls: ServerTls = field(default_factory=ServerTls)   # this gateway's gRPC (and HTTPS) certificate
     upstream_tls: ClientTls = field(default_factory=ClientTls)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    internal_token: str = field(default="", repr=False)   # sent to the target and draft
     metrics_auth: bool = False           # /metrics needs an API key too
     log_level: str = "INFO"
 
@@ -131,6 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               "(0 = the rest of the context)")
     tls.add_server_flags(p)
     tls.add_client_flags(p)
+    internal_auth.add_flag(p, "sent on every call to the target and the draft")
     flags.add(p, "--api-keys", "", str, "comma-separated API keys ('' and no file = open API)",
               secret=True)
     flags.add(p, "--api-key-file", "", str, "file of API keys, one per line")
@@ -155,4 +157,5 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
         server_tls=tls.server_from_args(args), upstream_tls=tls.client_from_args(args),
         api_keys=load_keys(args.api_keys, args.api_key_file), metrics_auth=args.metrics_auth,
+        internal_token=args.internal_token,
         log_level=args.log_level)

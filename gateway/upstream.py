@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dflash.v1 import common_pb2
 from gateway.call_stream import CallFailed, CallStream, StreamUnsupported
 from gateway.config import GatewayConfig
-from services.common import metrics
+from services.common import internal_auth, metrics
 
 log = logging.getLogger("dflash.gateway.upstream")
 
@@ -79,9 +79,10 @@ class Upstream:
         self.on_change = on_change
         self.channel = _channel(address, config)
         self.stub = stub_factory(self.channel)
+        self.metadata = internal_auth.metadata(config.internal_token)   # on every dflash.v1 call
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.streams = {method: CallStream(f"{role} {method}Stream",
-                                           getattr(self.stub, f"{method}Stream"), request_type)
+                                           self._opener(method), request_type)
                         for method, request_type in (streamed or {}).items()
                         if config.wire == "stream"}
         self.serving = False
@@ -95,6 +96,11 @@ class Upstream:
         self._probe: asyncio.Task | None = None
         self._unary: set[Any] = set()           # unary calls in flight (cut when it freezes)
         self._cut = ""                          # why the calls in flight were cut
+
+    def _opener(self, method: str) -> Callable[[], Any]:
+        """Opens the method's call stream (with the internal token)."""
+        open_stream = getattr(self.stub, f"{method}Stream")
+        return lambda: open_stream(metadata=self.metadata)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,7 +142,7 @@ class Upstream:
     async def _unary_call(self, method: str, request: Any, timeout: float) -> Any:
         """A unary call that the liveness probe can cut (then UNAVAILABLE, not a cancellation
         of the caller)."""
-        call = getattr(self.stub, method)(request, timeout=timeout)
+        call = getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
         self._unary.add(call)
         try:
             return await call
@@ -160,7 +166,7 @@ class Upstream:
         await self.settled(sequence_id)
         try:
             await self.stub.Release(common_pb2.ReleaseRequest(sequence_id=sequence_id),
-                                    timeout=timeout)
+                                    timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
             self.count_error(e.code())
             log.debug("release on %s failed: %s", self.role, e.code().name)
@@ -251,7 +257,8 @@ class Upstream:
             return
         t0 = time.monotonic()
         caps = await self.stub.GetCapabilities(common_pb2.GetCapabilitiesRequest(),
-                                               timeout=self.config.capabilities_timeout_s)
+                                               timeout=self.config.capabilities_timeout_s,
+                                               metadata=self.metadata)
         if caps != self.capabilities:
             self.generation += 1            # a restart with the same capabilities keeps it
         self.capabilities = caps

@@ -34,11 +34,11 @@ SERVICES = {"prepare", "target", "draft", "gateway", "prometheus", "grafana"}
 WORKDIR = "/app"                     # the Dockerfile's WORKDIR
 
 
-def compose_config(*files: Path) -> dict:
+def compose_config(*files: Path, env: dict[str, str] | None = None) -> dict:
     ensure_installed(("docker-compose",))
     cmd = ["docker-compose"] + [a for f in files for a in ("-f", str(f))] + ["config"]
     done = subprocess.run(cmd, cwd=REPO, check=False, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env={**os.environ, **(env or {})})
     assert done.returncode == 0, f"{shlex.join(cmd)} failed:\n{done.stderr}"
     return yaml.safe_load(done.stdout)
 
@@ -148,6 +148,15 @@ def test_gateway_dials_target_and_draft_where_they_listen(compose, parsed):
     depends = compose["services"]["gateway"]["depends_on"]
     assert depends == {"target": {"condition": "service_healthy"},
                        "draft": {"condition": "service_healthy"}}
+
+
+def test_the_internal_token_reaches_all_three():
+    """Issue 39: DFLASH_INTERNAL_TOKEN in the environment of `docker compose up` is the internal
+    ports' secret of the target and draft and what the gateway sends them."""
+    compose = compose_config(COMPOSE, env={"DFLASH_INTERNAL_TOKEN": "t0ken-for-compose"})
+    for name in ("target", "draft", "gateway"):
+        env = compose["services"][name]["environment"]
+        assert env["DFLASH_INTERNAL_TOKEN"] == "t0ken-for-compose", name
 
 
 def test_only_gateway_and_grafana_are_published(compose, parsed):

@@ -20,7 +20,7 @@ from support.procs import REPO, free_port
 
 from dflash.stack import Child
 from dflash.supervisor import RestartPolicy, Supervisor
-from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -103,6 +103,13 @@ def test_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
         # issue 39: the services' metrics listen on this host only; the logs are the user's
         for port in [ports["target"], ports["draft"], *metrics_ports]:
             assert listen_addresses(port) == {"127.0.0.1"}, port
+        # the services' ports need the stack's internal token: a direct Prefill is refused
+        with grpc.insecure_channel(f"127.0.0.1:{ports['target']}") as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                target_pb2_grpc.TargetStub(channel).Prefill(target_pb2.PrefillRequest(
+                    sequence_id="probe", token_ids=[1, 2, 3]), timeout=30)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "internal" not in " ".join(processes_cmdlines(marker))   # not on a command line
         logs = tmp_path / "logs"
         assert logs.stat().st_mode & 0o777 == 0o700
         assert {f.stat().st_mode & 0o777 for f in logs.glob("*.log")} == {0o600}

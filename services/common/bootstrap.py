@@ -76,7 +76,8 @@ async def serve(args: argparse.Namespace, service: ModelService) -> int:
     drain = Drain(args.drain_grace, idle=lambda: not service.live_sequences(),
                   refuse=service.refuse_while_draining)
     server = build_server(args.port, args.host, args.max_message_mib * MiB, readiness,
-                          service.register, tls=tls.server_from_args(args), drain=drain)
+                          service.register, tls=tls.server_from_args(args), drain=drain,
+                          internal_token=args.internal_token)
     await server.start()
     log.info("listening (NOT_SERVING until ready)", extra={"port": args.port})
     stop = asyncio.Event()

@@ -154,11 +154,13 @@ class StreamReader:
 
     def __init__(self, info: PlaneInfo, credentials: grpc.ChannelCredentials | None = None,
                  options: list[tuple[str, object]] | None = None,
-                 on_broken: Callable[[str], None] | None = None) -> None:
+                 on_broken: Callable[[str], None] | None = None,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         if not info.address:
             raise PlaneUnreachable("a stream plane needs the target's address")
         self.info = info
         self.on_broken = on_broken
+        self.metadata = metadata                       # the internal token, if any
         opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *(options or [])]
         self.channel = (grpc.aio.secure_channel(info.address, credentials, options=opts)
                         if credentials is not None
@@ -173,7 +175,7 @@ class StreamReader:
         """Subscribes; raises PlaneUnreachable when the target does not answer as expected."""
         stub = target_pb2_grpc.TargetStub(self.channel)
         self._call = stub.FeatureStream(
-            common_pb2.FeatureStreamRequest(plane_id=self.info.plane_id))
+            common_pb2.FeatureStreamRequest(plane_id=self.info.plane_id), metadata=self.metadata)
         try:
             first = await asyncio.wait_for(self._call.read(), OPEN_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:

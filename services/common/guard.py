@@ -3,7 +3,9 @@
 - a request whose bytes are not a valid protobuf of the method's type is answered
   INVALID_ARGUMENT naming the type (grpc's own answer would be INTERNAL);
 - while the service drains (SIGTERM), calls that would start new work are answered UNAVAILABLE
-  (which ones is the service's `refuse(method, request)`), the rest are served to the end.
+  (which ones is the service's `refuse(method, request)`), the rest are served to the end;
+- with an internal token (services/common/internal_auth.py), a call without it is answered
+  UNAUTHENTICATED before anything else.
 
 A call stream `<M>Stream` (services/common/call_stream.py) gets the same per call: each <M> call
 on it that the drain refuses is handed on as call_stream.Refused (answered UNAVAILABLE, not run);
@@ -21,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from services.common import metrics
+from services.common import internal_auth, metrics
 from services.common.call_stream import Refused
 from services.common.errors import Unavailable
 
@@ -61,8 +63,9 @@ def _safe_deserializer(deserialize: Callable[[bytes], Any] | None, type_name: st
 
 
 class GuardInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, drain: Drain | None = None) -> None:
+    def __init__(self, drain: Drain | None = None, token: str = "") -> None:
         self.drain = drain
+        self.token = token                     # the internal token calls must carry ("" = none)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -82,7 +85,16 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
                                                             _request_type(handler, name))
         return handler._replace(**fields)
 
+    async def _authorized(self, context: grpc.aio.ServicerContext, name: str) -> None:
+        if not internal_auth.allowed(self.token, context.invocation_metadata()):
+            metrics.observe_rpc(name, "UNAUTHENTICATED", 0.0)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"{name} needs this service's internal token (metadata "
+                                f"{internal_auth.HEADER}); only the gateway and the draft "
+                                f"call these ports")
+
     async def _check(self, request: Any, context: grpc.aio.ServicerContext, name: str) -> None:
+        await self._authorized(context, name)
         await _decodable(request, context, name)
         why = self._refusal(name, request)
         if why is not None:
@@ -115,6 +127,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         call = name.removesuffix(STREAM_SUFFIX)
 
         async def guarded(requests, context):
+            await self._authorized(context, name)
             await behavior(self._admitted(requests, context, name, call), context)
         return guarded
 

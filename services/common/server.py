@@ -63,16 +63,19 @@ def build_server(port: int, host: str, max_message_bytes: int, readiness: Readin
                  register: Callable[[grpc.aio.Server], list[str]], tls: ServerTls | None = None,
                  drain: Drain | None = None,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 max_receive_bytes: int | None = None) -> grpc.aio.Server:
+                 max_receive_bytes: int | None = None, internal_token: str = ""
+                 ) -> grpc.aio.Server:
     """`register(server)` adds the servicers and returns their full service names. tls None or
     disabled: plaintext. max_receive_bytes: a smaller limit on incoming messages (the gateway's
-    public port); requests past a limit are answered RESOURCE_EXHAUSTED by grpc."""
+    public port); requests past a limit are answered RESOURCE_EXHAUSTED by grpc. internal_token:
+    the secret every dflash.v1 call must carry (the target and draft; services/common/
+    internal_auth.py)."""
     options = server_options(max_message_bytes)
     if max_receive_bytes is not None:
         options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
     server = grpc.aio.server(options=options,
-                             interceptors=[*interceptors, GuardInterceptor(drain)])
+                             interceptors=[*interceptors, GuardInterceptor(drain, internal_token)])
     names = register(server)
     health_pb2_grpc.add_HealthServicer_to_server(readiness.health, server)
     reflection.enable_server_reflection(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM
-from services.common import flags, tls
+from services.common import flags, internal_auth, tls
 
 
 def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget: str,
@@ -35,6 +35,7 @@ def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget:
               help="run every forward eagerly (graphs are captured during warm-up on CUDA with "
                    "the triton backend only)")
     tls.add_server_flags(p)
+    internal_auth.add_flag(p, "every dflash.v1 call must carry it")
 
 
 def check_server_tls(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

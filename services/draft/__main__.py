@@ -97,7 +97,7 @@ async def warmup(engine: DraftEngine, drafter: Drafter, delay_s: float) -> None:
 def service(args: argparse.Namespace, hooks: ServiceHooks) -> bootstrap.ModelService:
     config = config_from_args(args)
     servicer = draft_servicer.DraftServicer(config.lease_seconds, config.device,
-                                            tls.client_from_args(args))
+                                            tls.client_from_args(args), args.internal_token)
 
     async def start() -> DraftEngine:
         """Drafter (refused when incompatible: DrafterRefused), its KV cache and backend, CUDA

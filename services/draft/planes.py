@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
+from services.common import internal_auth
 from services.common.errors import DataLoss
 from services.common.feature_plane import (
     TRANSPORTS,
@@ -25,9 +26,11 @@ log = logging.getLogger("dflash.draft.planes")
 
 
 class AttachedPlanes:
-    def __init__(self, device: torch.device, stream_tls: ClientTls | None = None) -> None:
+    def __init__(self, device: torch.device, stream_tls: ClientTls | None = None,
+                 internal_token: str = "") -> None:
         self.device = device
         self.stream_tls = stream_tls or ClientTls()    # how a stream plane's target is reached
+        self.internal_token = internal_token           # ... and what it must carry
         self.readers: dict[str, PlaneReader | StreamReader] = {}
 
     @property
@@ -61,7 +64,8 @@ class AttachedPlanes:
             self.readers.pop(info.plane_id, None)
 
         return StreamReader(info, tls.credentials() if tls.enabled else None,
-                            tls.channel_options(), on_broken=lost)
+                            tls.channel_options(), on_broken=lost,
+                            metadata=internal_auth.metadata(self.internal_token))
 
     async def arrive(self, refs: Iterable[PlaneRef]) -> None:
         """Until every ref of a stream plane is here (DataLoss when one will not be)."""

@@ -24,11 +24,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     then every RPC answers UNAVAILABLE naming the stage."""
 
     def __init__(self, lease_seconds: float = 0.0, device: str = "cpu",
-                 stream_tls: ClientTls | None = None) -> None:
+                 stream_tls: ClientTls | None = None, internal_token: str = "") -> None:
         self.stage = "starting"
         self.engine: DraftEngine | None = None
         self.lease_seconds = lease_seconds
-        self.planes = AttachedPlanes(torch.device(device), stream_tls)
+        self.planes = AttachedPlanes(torch.device(device), stream_tls, internal_token)
 
     def _ready(self) -> tuple[DrafterFacts, DraftEngine]:
         if self.engine is None or self.stage != "ready":
