@@ -16,7 +16,7 @@ import grpc
 import pytest
 from openai import OpenAI
 from support.gateway_stack import wait_until
-from support.procs import REPO, free_port
+from support.procs import REPO, free_port, stop_launcher
 
 from dflash.stack import Child
 from dflash.supervisor import RestartPolicy, Supervisor
@@ -168,12 +168,7 @@ def test_a_killed_service_is_started_again_and_the_stream_finishes_identical(tmp
         assert proc.poll() is None                           # the launcher serves on
         channel.close()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_launcher(proc)
 
 
 def test_the_supervisor_backs_off_and_gives_up(tmp_path):

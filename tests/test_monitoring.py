@@ -17,7 +17,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -34,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import prom
 from support.draft_service import start_draft
 from support.gateway_stack import start_gateway, wait_until
-from support.procs import REPO, free_port, health_status, start_target
+from support.procs import REPO, free_port, health_status, start_target, stop_launcher
 
 from bench import grafana_dashboard as dash
 from bench.local_prometheus import LocalPrometheus, Sample, ScrapeJob, finite
@@ -357,12 +356,7 @@ def run(tmp_path_factory):
     finally:
         if prometheus is not None:
             prometheus.stop()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_launcher(proc)
 
 
 @pytest.mark.slow

@@ -99,3 +99,15 @@ def start_target(model_dir: str | Path, log_dir: Path, *extra: str, wait: bool =
                                               "--host", "127.0.0.1", *extra], hooks)
     p = ServiceProcess(module, args, "dflash.v1.Target", port, log_dir, env).start()
     return p.wait_serving() if wait else p
+
+
+def stop_launcher(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """A `dflash up` / `dflash demo` process started in its own session: SIGTERM (it stops its
+    children), then SIGKILL of its group if it does not exit in time."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
