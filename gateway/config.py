@@ -110,8 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               "all on one long-lived bidirectional stream per upstream", choices=WIRES)
     flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
     flags.add(p, "--keepalive-s", 30.0, float, "keepalive ping interval to upstreams (>= 10)")
-    flags.add(p, "--liveness-timeout", 3.0, float, "an upstream that leaves a health Check "
-              "unanswered this long (frozen, overloaded) is treated as down: not ready, its calls "
+    flags.add(p, "--liveness-timeout", 3.0, float, "an upstream that leaves two health Checks in "
+              "a row unanswered this long each (frozen) is treated as down: not ready, its calls "
               "in flight fail over as for a dead one (0 = off)")
     flags.add(p, "--liveness-interval", 2.0, float, "seconds between the health Checks of a "
               "SERVING upstream")

@@ -3,7 +3,8 @@ that follows its readiness, and its capabilities - fetched only after it reports
 
 Liveness: a Watch says nothing when the process stops answering (frozen, SIGSTOP, a wedged loop:
 the connection stays up). So a SERVING upstream is also asked a health Check every
---liveness-interval; one unanswered for --liveness-timeout marks it down, and its calls in flight
+--liveness-interval; two in a row unanswered for --liveness-timeout each (one could be a hiccup
+of a loaded host) mark it down, and its calls in flight
 fail UNAVAILABLE at once - as when it dies - instead of each waiting out its deadline: the
 requests wait for it within --upstream-wait and rebuild their sequences when it answers again."""
 from __future__ import annotations
@@ -29,6 +30,7 @@ WATCH_REOPEN_S = 300.0        # a Watch carries a deadline too; it is reopened w
 # --wire stream: a request larger than this goes unary, so that one big message (a Propose with a
 # whole prompt's features) does not hold up the small per-step calls queued behind it on the stream
 STREAM_MAX_BYTES = 1 << 20
+LIVENESS_MISSES = 2           # health Checks in a row past --liveness-timeout: down
 
 
 class UpstreamError(Exception):
@@ -195,16 +197,22 @@ class Upstream:
     async def _probe_forever(self) -> None:
         req = health_pb2.HealthCheckRequest(service=self.service_name)
         timeout = self.config.liveness_timeout_s
+        missed = 0
         while True:
-            await asyncio.sleep(self.config.liveness_interval_s)
+            if not missed:
+                await asyncio.sleep(self.config.liveness_interval_s)
             if not self.serving:
+                missed = 0
                 continue                        # the Watch follows it until it is back
             try:
                 await self._health.Check(req, timeout=timeout)
+                missed = 0
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.serving:
-                    await self._frozen(f"it left a health Check unanswered for {timeout:g} s "
-                                       f"(--liveness-timeout)")
+                missed = missed + 1 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else 0
+            if missed >= LIVENESS_MISSES and self.serving:
+                missed = 0
+                await self._frozen(f"it left {LIVENESS_MISSES} health Checks in a row "
+                                   f"unanswered for {timeout:g} s each (--liveness-timeout)")
 
     async def _frozen(self, why: str) -> None:
         """Down now: not ready, and every call in flight fails UNAVAILABLE."""
