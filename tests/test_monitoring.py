@@ -48,6 +48,7 @@ from dflash.v1 import (
     target_pb2_grpc,
 )
 from services.common import metrics
+from services.common.internal_auth import ENV, HEADER
 
 MODEL = "smollm2-135m-instruct"
 DRAFTER = REPO / "models" / "smollm2-135m-instruct-dflash"
@@ -237,7 +238,8 @@ def _launch(tmp: Path) -> tuple[subprocess.Popen, dict[str, int], Path]:
          "--spec-disable-batch-size", "0"],
         cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
         start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "DFLASH_LOG_LEVEL": "DEBUG"})
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "DFLASH_LOG_LEVEL": "DEBUG",
+             ENV: INTERNAL_TOKEN})
     return proc, ports, log
 
 
@@ -287,6 +289,8 @@ def _usage(u: dict) -> dict:
             "mean_acceptance_length": s["mean_acceptance_length"]}
 
 
+INTERNAL_TOKEN = "monitoring-internal-token"
+
 # the errors provoked, as (labels the error series must carry)
 PROVOKED = [{"service": "gateway", "method": "Generate", "code": "INVALID_ARGUMENT"},
             {"service": "target", "method": "Verify", "code": "NOT_FOUND"},
@@ -311,10 +315,25 @@ def _provoke_errors(run: Run) -> None:
                  draft_pb2.ProposeRequest(sequence_id="x", anchor=1, block_size=999), timeout=10),
               grpc.StatusCode.INVALID_ARGUMENT)]
     for port, call, code in calls:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        # the stack's internal token (given to `dflash up`) on the target's and draft's ports
+        with grpc.intercept_channel(grpc.insecure_channel(f"127.0.0.1:{port}"),
+                                    _WithToken()) as ch:
             with pytest.raises(grpc.RpcError) as e:
                 call(ch)
             assert e.value.code() == code
+
+
+class _WithToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds the stack's internal token to a call (the gateway's port ignores it)."""
+
+    def _details(self, details):
+        return details._replace(metadata=[*(details.metadata or ()), (HEADER, INTERNAL_TOKEN)])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
 
 
 def _total(run: Run, key: str) -> int:
