@@ -139,7 +139,7 @@ def test_a_frozen_target_is_noticed_and_waited_for(model, logs, reference):
             assert r.tokens == reference[i][:N], f"stream {i} differs from the undisturbed run"
         log = st.gateway.log()
         assert "health Checks in a row unanswered" in log
-        assert noticed_s < 10, noticed_s                 # <= 2 s + two 3 s timeouts
+        assert noticed_s < 12, noticed_s                 # <= 2 s + two 3 s timeouts + slack
         assert_released(st)
         report("target_frozen", streams=8, noticed_s=round(noticed_s, 1),
                sequences_rebuilt=len(recovered_sequences(log, "UNAVAILABLE")), identical=8)
