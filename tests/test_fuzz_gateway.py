@@ -6,7 +6,9 @@ prompt-lookup draft, gateway):
 - HTTP /v1/completions and /v1/chat/completions: arbitrary JSON, valid bodies with fields
   replaced by arbitrary JSON (known and unknown names), and raw bytes; every answer is one of
   200 / 400 / 404 / 413 / 429 / 503 with OpenAI's error body (never a 500), and a 200 stream
-  never carries an error object.
+  never carries an error object;
+- after every example, the next unrelated request on the same channel or connection is served
+  (a 500 used to reset the connection and fail the client's next request).
 
 --max-tokens-limit 16 keeps each valid example short. Fixed budget: EXAMPLES per kind."""
 from __future__ import annotations
@@ -104,6 +106,10 @@ def test_fuzz_gateway_grpc(stack, method, kind):
             code = call_raw(ch, path, data, streaming)
             TALLY.record(method, code)
             assert code in DEFINED, f"{method} answered {code.name} to {x!r:.300}"
+            # and the next, unrelated request on the same channel is served (issue 39)
+            info = GRPC_VALID["GetModelInfo"].SerializeToString()
+            assert call_raw(ch, "/dflash.v1.Gateway/GetModelInfo", info, False) == \
+                grpc.StatusCode.OK, f"not served after {x!r:.300}"
 
         run()
     assert_healthy(stack)
@@ -169,6 +175,9 @@ def test_fuzz_gateway_http(stack, model_id, endpoint, kind):
                 text = "".join(r.iter_text())
             TALLY.record(f"POST /v1/{endpoint}", r.status_code)
             check_http(r, text)
+            # and the next, unrelated request on the same connection is served (issue 39)
+            after = client.get(f"{stack.gateway.http_url}/v1/models")
+            assert after.status_code == 200, f"not served after {body[:300]!r}"
 
         run()
     assert_healthy(stack)
