@@ -170,8 +170,9 @@ class BatchDecisions:
         """One decision per ask, in order (one host sync)."""
         if self.logits is None:
             return [Decided() for _ in self.asks]
-        argmax = self.logits.argmax(dim=-1)                            # [R]
-        top = self.logits.amax(dim=-1)            # NaN when a row has one; -inf: all masked
+        # one reduction for both: the greedy token (the first maximum, as argmax) and the row's
+        # top value - NaN when the row has one, -inf when every token is masked
+        top, argmax = self.logits.max(dim=-1)                          # [R], [R]
         finite = ((top > float("-inf")) & (top < float("inf"))).to(argmax.dtype)
         greedy = (_greedy_rows(self.greedy, argmax).flatten() if self.greedy
                   else argmax.new_empty(0))
