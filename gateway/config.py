@@ -5,7 +5,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from gateway.auth import load_keys
-from services.common import flags, internal_auth, tls
+from services.common import callers, flags, internal_auth, tls
 from services.common.tls import ClientTls, ServerTls
 
 MiB = 1024 * 1024
@@ -53,6 +53,9 @@ class GatewayConfig:
     upstream_tls: ClientTls = field(default_factory=ClientTls)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     internal_token: str = field(default="", repr=False)   # sent to the target and draft
+    # this process's caller key (services/common/callers.py): the services file the gateway's
+    # sequences under it, so no other caller can drive them; drawn at start, never logged
+    caller_key: str = field(default_factory=callers.new_key, repr=False)
     metrics_auth: bool = False           # /metrics needs an API key too
     log_level: str = "INFO"
 

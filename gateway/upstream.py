@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dflash.v1 import common_pb2
 from gateway.call_stream import CallFailed, CallStream, StreamUnsupported
 from gateway.config import GatewayConfig
-from services.common import internal_auth, metrics
+from services.common import callers, internal_auth, metrics
 
 log = logging.getLogger("dflash.gateway.upstream")
 
@@ -81,7 +81,9 @@ class Upstream:
         self.on_change = on_change
         self.channel = _channel(address, config)
         self.stub = stub_factory(self.channel)
-        self.metadata = internal_auth.metadata(config.internal_token)   # on every dflash.v1 call
+        # on every dflash.v1 call: the internal token and the gateway's caller key
+        self.metadata = (internal_auth.metadata(config.internal_token)
+                         + callers.metadata(config.caller_key))
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.streams = {method: CallStream(f"{role} {method}Stream",
                                            self._opener(method), request_type)

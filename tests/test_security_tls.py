@@ -7,6 +7,7 @@ gateway reaches them with --upstream-ca/--upstream-cert/--upstream-key,
 serves TLS itself (gRPC and HTTPS) and takes API keys from DFLASH_API_KEYS and --api-key-file."""
 from __future__ import annotations
 
+import subprocess
 import time
 
 import grpc
@@ -27,7 +28,15 @@ from support.reliability import (
     wait_serving_tls,
 )
 
-from dflash.v1 import common_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2_grpc
+from dflash.v1 import (
+    common_pb2,
+    draft_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
+from services.common import callers
 
 pytestmark = pytest.mark.slow
 
@@ -203,3 +212,40 @@ def test_api_keys_are_enforced_on_https(gateway, certs):
             "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     report("api_keys_https", refused=refused, accepted=2)
+
+
+def _another_client_certificate(certs, out) -> tuple[bytes, bytes]:
+    """(key, certificate) of a second client, signed by the same dev CA as the gateway's."""
+    run = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True, cwd=out)
+    run("openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "c2.key")
+    run("openssl", "req", "-new", "-key", "c2.key", "-subj", "/CN=another-client", "-out", "c2.csr")
+    (out / "c2.ext").write_text("basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n")
+    run("openssl", "x509", "-req", "-in", "c2.csr", "-CA", certs.path("ca.crt"), "-CAkey",
+        certs.path("ca.key"), "-CAcreateserial", "-CAserial", str(out / "ca.srl"), "-days", "2",
+        "-extfile", "c2.ext", "-out", "c2.crt")
+    return (out / "c2.key").read_bytes(), (out / "c2.crt").read_bytes()
+
+
+def test_a_sequence_belongs_to_the_client_certificate_that_created_it(upstreams, certs,
+                                                                     tmp_path):
+    """Issue 39, hole 4, with mutual TLS: the owner of a sequence is its client certificate and
+    its caller key together (services/common/callers.py). Another client the CA also trusts,
+    sending the very same caller key, gets NOT_FOUND for it and frees nothing."""
+    target, _ = upstreams
+    key = ((callers.HEADER, callers.new_key()),)
+    c2_key, c2_cert = _another_client_certificate(certs, tmp_path)
+    other = grpc.ssl_channel_credentials(certs.read("ca.crt"), c2_key, c2_cert)
+    with grpc.secure_channel(target.address, certs.client_credentials()) as mine, \
+            grpc.secure_channel(target.address, other) as theirs:
+        owner, intruder = target_pb2_grpc.TargetStub(mine), target_pb2_grpc.TargetStub(theirs)
+        first = owner.Prefill(target_pb2.PrefillRequest(sequence_id="mtls", token_ids=[5, 6, 7, 8]),
+                              metadata=key, timeout=60).next_token
+        with pytest.raises(grpc.RpcError) as e:
+            intruder.Verify(target_pb2.VerifyRequest(sequence_id="mtls", token_ids=[first]),
+                            metadata=key, timeout=30)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value
+        release = common_pb2.ReleaseRequest(sequence_id="mtls")
+        assert not intruder.Release(release, metadata=key, timeout=30).released
+        assert owner.Verify(target_pb2.VerifyRequest(sequence_id="mtls", token_ids=[first]),
+                            metadata=key, timeout=30).seq_len == 5
+        assert owner.Release(release, metadata=key, timeout=30).released

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from dflash.v1 import common_pb2
+from services.common import callers
 from services.common.errors import DeadlineExceeded, ServiceError, answer, rpc
 
 log = logging.getLogger("dflash.rpc")
@@ -37,14 +38,19 @@ class Refused:
 
 def unary_and_stream(method: str, path: str, response_type: type) -> tuple[Callable, Callable]:
     """The servicer methods `<method>` (unary) and `<method>Stream` (multiplexed), both through
-    the servicer's one request -> response coroutine named `path`:
+    the servicer's one coroutine `path(request, owner) -> response` (owner: the caller's owner
+    tag, services/common/callers.py - a stream's, for each of its calls):
 
         Verify, VerifyStream = unary_and_stream("Verify", "verify", VerifyStreamResponse)"""
     async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await getattr(self, path)(request)
+        return await getattr(self, path)(request, callers.owner(context))
 
     async def stream(self: Any, requests: AsyncIterable, context: grpc.aio.ServicerContext) -> None:
-        await serve(requests, context, method, getattr(self, path), response_type)
+        handler, owner = getattr(self, path), callers.owner(context)
+
+        async def handle(request: Any) -> Any:
+            return await handler(request, owner)
+        await serve(requests, context, method, handle, response_type)
 
     unary.__name__, stream.__name__ = method, f"{method}Stream"
     stream.__doc__ = f"{method} calls multiplexed on one stream (CallStatus in common.proto)."

@@ -5,7 +5,8 @@ Request-scoped events carry `request_id` (gateway) and `seq` (the sequence id th
 a request on the target and the draft), so one request can be followed through all three logs.
 A sequence id is a capability (whoever knows it can drive the sequence on the services), so
 above DEBUG it is written as a tag, `h:` and 12 hex digits of its SHA-256 - the same in the three
-logs, useless to call with. The level is each service's `--log-level` (env `DFLASH_LOG_LEVEL`)."""
+logs (of the id the gateway sent, without the owner part the services file it under:
+callers.py), useless to call with. The level is each service's `--log-level` (env `DFLASH_LOG_LEVEL`)."""
 from __future__ import annotations
 
 import hashlib
@@ -13,6 +14,8 @@ import json
 import logging
 import re
 import sys
+
+from services.common.callers import external
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 _BARE = re.compile(r"^[^\s\"=]+$")
@@ -30,7 +33,7 @@ class KeyValueFormatter(logging.Formatter):
                 f"{record.levelname:<5} {record.name} {record.getMessage()}")
         extras = {k: v for k, v in vars(record).items() if k not in _RESERVED}
         if "seq" in extras and record.levelno > logging.DEBUG:
-            extras["seq"] = seq_tag(str(extras["seq"]))
+            extras["seq"] = seq_tag(external(str(extras["seq"])))
         if extras:
             base += " " + " ".join(f"{k}={format_value(v)}" for k, v in extras.items())
         if record.exc_info:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.kv_cache import OutOfPages
+from services.common.callers import external
 from services.common.engine_loop import Work
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, ServiceError
 from services.common.sequence_engine import SequenceEngine
@@ -76,7 +77,7 @@ class DraftEngine(SequenceEngine[DraftSequence]):
         seq = self.seqs.get(call.seq_id)
         created = seq is None or (call.num_new > 0 and call.start == 0 and seq.context_len > 0)
         if seq is None and (call.num_new == 0 or call.start != 0):
-            raise NotFound(f"unknown sequence {call.seq_id!r}: never proposed, released, or its "
+            raise NotFound(f"unknown sequence {external(call.seq_id)!r}: never proposed, released, or its "
                            f"lease expired; send its whole context again from position 0")
         if created:
             if seq is not None:             # position 0 again: the gateway restarts it

@@ -7,7 +7,7 @@ import grpc
 import torch
 
 from dflash.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from services.common import call_stream, tensor_codec, validation
+from services.common import call_stream, callers, tensor_codec, validation
 from services.common.errors import DataLoss, InvalidArgument, NotReady, rpc
 from services.common.feature_plane import PlaneInfo, PlaneRef, join_rows
 from services.common.tls import ClientTls
@@ -57,13 +57,15 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     Propose, ProposeStream = call_stream.unary_and_stream("Propose", "propose",
                                                           draft_pb2.ProposeStreamResponse)
 
-    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        """Request -> engine call -> response: the one path of Propose and ProposeStream."""
+    async def propose(self, request: draft_pb2.ProposeRequest, owner: str
+                      ) -> draft_pb2.ProposeResponse:
+        """Request -> engine call -> response: the one path of Propose and ProposeStream.
+        owner: the caller's tag (callers.py), under which its sequences are filed."""
         facts, engine = self._ready()
         if facts.needs_features:
             await self.planes.arrive(PlaneRef.from_pb(c.ref) for c in request.feature_chunks
                                      if c.HasField("ref"))
-        result = await engine.propose(propose_call(request, facts, self.planes))
+        result = await engine.propose(propose_call(request, facts, self.planes, owner))
         return draft_pb2.ProposeResponse(draft_tokens=result.draft_tokens,
                                          context_len=result.context_len,
                                          draft_parents=result.draft_parents)
@@ -71,14 +73,15 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     @rpc
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
         _, engine = self._ready()
-        released = await engine.release(validation.sequence_id(request.sequence_id))
-        return common_pb2.ReleaseResponse(released=released)
+        seq_key = callers.key(callers.owner(context), validation.sequence_id(request.sequence_id))
+        return common_pb2.ReleaseResponse(released=await engine.release(seq_key))
 
 
 def propose_call(request: draft_pb2.ProposeRequest, facts: DrafterFacts,
-                 planes: AttachedPlanes | None = None) -> ProposeCall:
-    """Checks what needs no sequence state; the engine checks continuity with the sequence."""
-    seq_id = validation.sequence_id(request.sequence_id)
+                 planes: AttachedPlanes | None = None, owner: str = "") -> ProposeCall:
+    """Checks what needs no sequence state; the engine checks continuity with the sequence
+    (filed under the caller's `owner` tag)."""
+    seq_id = callers.key(owner, validation.sequence_id(request.sequence_id))
     block = request.block_size or facts.block_size
     if not 1 <= block <= facts.max_block_size:
         raise InvalidArgument(f"block_size {block} is not allowed: expected 1..{facts.max_block_size} "

@@ -20,6 +20,7 @@ from runtime.acceptance import (
 )
 from runtime.draft_tree import DraftTree
 from services.common import metrics
+from services.common.callers import external
 from services.common.engine_loop import Work
 from services.common.errors import Internal
 from services.common.feature_plane import PlaneRef, Publication
@@ -120,7 +121,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         else:
             self._release(seq.seq_id)
         self._refuse(item.work, Internal(
-            f"{'Verify' if item.is_verify else 'Prefill'} of sequence {seq.seq_id!r} failed: "
+            f"{'Verify' if item.is_verify else 'Prefill'} of sequence {external(seq.seq_id)!r} failed: "
             f"{decided.failed}; the other sequences of its batch were not affected"))
         return True
 
@@ -128,7 +129,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         """Tests only (TargetHooks.nan_logits_for): NaN logits for some sequences."""
         prefix = self.worker.hooks.nan_logits_for
         for part in plan.parts if prefix else ():
-            if part.item.seq.seq_id.startswith(prefix) and part.item.logit_rows:
+            if external(part.item.seq.seq_id).startswith(prefix) and part.item.logit_rows:
                 logits[part.logit_row: part.logit_row + part.item.logit_rows] = float("nan")
 
     def _accept(self, item: Scheduled, decided: Decided) -> Acceptance:

@@ -18,6 +18,7 @@ import torch
 
 from runtime.kv_cache import OutOfPages
 from runtime.state_pool import OutOfStateSlots
+from services.common.callers import external
 from services.common.engine_loop import Work
 from services.common.errors import (
     FailedPrecondition,
@@ -79,7 +80,7 @@ class TargetScheduler:
             return Scheduled(work, n, self._prefill_sequence(work))
         seq = self.seqs.get(work.seq_id)
         if seq is None:
-            raise NotFound(f"unknown sequence {work.seq_id!r}: never prefilled, released, or its "
+            raise NotFound(f"unknown sequence {external(work.seq_id)!r}: never prefilled, released, or its "
                            f"lease expired; Prefill it again")
         self._check_verify(seq, work.payload, n)
         self._ensure_pages(seq, seq.seq_len + n)
@@ -95,7 +96,7 @@ class TargetScheduler:
             return seq
         seq = work.state["seq"]
         if self.seqs.get(work.seq_id) is not seq:
-            raise NotFound(f"sequence {work.seq_id!r} was released or replaced during its prefill")
+            raise NotFound(f"sequence {external(work.seq_id)!r} was released or replaced during its prefill")
         return seq
 
     def _check_verify(self, seq: TargetSequence, call: VerifyCall, n: int) -> None:
@@ -106,14 +107,14 @@ class TargetScheduler:
         pool = self.worker.state_pool
         if n > 1 and seq.state_slot is not None and pool.verify_slot(seq.state_slot) is None:
             raise FailedPrecondition(
-                f"sequence {seq.seq_id!r} holds no verify states (all {pool.num_verify_slots} "
+                f"sequence {external(seq.seq_id)!r} holds no verify states (all {pool.num_verify_slots} "
                 f"verify state slots were taken when it was prefilled), so only 1-token blocks "
                 f"can be verified, not {n}; Release and Prefill it again when a slot is free, or "
                 f"start the target with more --verify-state-slots")
         if call.tree is not None and not seq.sampling.greedy:
             raise InvalidArgument(
                 f"a tree of drafts can only be verified for a greedy sequence (temperature 0); "
-                f"{seq.seq_id!r} samples at temperature {seq.sampling.temperature:g}: send a chain "
+                f"{external(seq.seq_id)!r} samples at temperature {seq.sampling.temperature:g}: send a chain "
                 f"(no parents)")
 
     def _start_prefill(self, call: PrefillCall) -> TargetSequence:

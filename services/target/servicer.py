@@ -8,7 +8,7 @@ import grpc
 
 from dflash.v1 import common_pb2, target_pb2, target_pb2_grpc
 from runtime.draft_tree import DraftTree, tree_problem
-from services.common import call_stream, tensor_codec, validation
+from services.common import call_stream, callers, tensor_codec, validation
 from services.common.errors import InvalidArgument, NotFound, NotReady, ServiceError, observed, rpc
 from services.common.feature_plane import PlaneInfo, PlaneRef
 from services.common.feature_stream import StreamFeed
@@ -64,7 +64,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             raise InvalidArgument(f"num_generated {request.num_generated} exceeds the "
                                   f"{len(ids)} tokens given")
         call = PrefillCall(
-            seq_id=validation.sequence_id(request.sequence_id), token_ids=ids,
+            seq_id=callers.key(callers.owner(context), validation.sequence_id(request.sequence_id)),
+            token_ids=ids,
             sampling=validation.sampling(request.sampling, f.vocab_size), capture_layers=layers,
             feature_dtype=tensor_codec.wire_dtype(request.feature_dtype or "bfloat16"),
             num_generated=request.num_generated, feature_plane=request.feature_plane)
@@ -75,10 +76,12 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     Verify, VerifyStream = call_stream.unary_and_stream("Verify", "verify",
                                                         target_pb2.VerifyStreamResponse)
 
-    async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
-        """Request -> engine call -> response: the one path of Verify and VerifyStream."""
+    async def verify(self, request: target_pb2.VerifyRequest, owner: str
+                     ) -> target_pb2.VerifyResponse:
+        """Request -> engine call -> response: the one path of Verify and VerifyStream.
+        owner: the caller's tag (callers.py); another caller's sequence is NOT_FOUND."""
         worker, engine = self._ready_engine()
-        seq_id = validation.sequence_id(request.sequence_id)
+        seq_id = callers.key(owner, validation.sequence_id(request.sequence_id))
         ids = validation.token_ids(request.token_ids, worker.facts.vocab_size)
         tree = None
         if request.parents:
@@ -95,8 +98,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     @rpc
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
         _, engine = self._ready_engine()
-        released = await engine.release(validation.sequence_id(request.sequence_id))
-        return common_pb2.ReleaseResponse(released=released)
+        seq_key = callers.key(callers.owner(context), validation.sequence_id(request.sequence_id))
+        return common_pb2.ReleaseResponse(released=await engine.release(seq_key))
 
     async def FeatureStream(self, request: common_pb2.FeatureStreamRequest, context
                             ) -> AsyncIterator[common_pb2.FeatureStreamMessage]:
