@@ -209,6 +209,24 @@ def service_rows(stack: GpuStack, prompts: list[list[int]], max_tokens: int, wir
     return rows
 
 
+def service_profile(stack: GpuStack, prompts: list[list[int]], max_tokens: int, wire: str,
+                    seconds: float, out: Path) -> dict:
+    """py-spy on the three processes (bench/host_profile.py) while requests run one at a time
+    for `seconds`: where each process's host time goes at c = 1."""
+    from bench import host_profile
+    address = f"127.0.0.1:{stack.gateways[wire][0]}"
+    pids = {c.name: c.proc.pid for c in stack.stack.children if c.name in host_profile.PHASES}
+    recs = host_profile.start(pids, seconds, out)
+    t0, tokens, i = time.monotonic(), 0, 0
+    while time.monotonic() - t0 < seconds + 0.5:
+        tokens += asyncio.run(drive(address, [prompts[i % len(prompts)]], 1, max_tokens))[0]
+        i += 1
+    elapsed = time.monotonic() - t0
+    return {"wire": wire, "seconds": seconds, "requests": i,
+            "tokens_per_s": round(tokens / elapsed, 1),
+            "processes": host_profile.finish(recs, seconds)}
+
+
 def service_ttft(stack: GpuStack, prompt: list[int], wire: str) -> dict:
     """Time to the first streamed token of a 1000-token prompt, and to the second event (the
     first speculative step: the draft receives the prompt's features first)."""
@@ -453,6 +471,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--feature-planes", nargs="+", default=["auto"],
                     choices=["auto", "cuda-ipc", "shm", "stream", "off"],
                     help="the target's --feature-plane of each speculative stack (one stack each)")
+    ap.add_argument("--profile-seconds", type=float, default=0,
+                    help="after each speculative stack's rows: py-spy on its three processes "
+                         "for this long while requests run one at a time (bench/host_profile.py)")
     args = ap.parse_args(argv)
     tiny_outputs(args, ap, "gpu_side_by_side", ("out",))
     args.device = "cpu" if args.tiny else "cuda"
@@ -544,6 +565,9 @@ def _stack_part(tdir, ddir, args, out, taps, tau, prompts, max_tokens, levels, t
         label = "AR service" if ddir is None else "spec services"
         for wire in wires:
             keep(service_rows(stack, prompts, max_tokens, wire, levels, label))
+        if args.profile_seconds and ddir is not None:
+            info["host_profile"] = service_profile(stack, prompts, max_tokens, wires[0],
+                                                   args.profile_seconds, out / f"profile-{name}")
         info["ttft_by_len"] = {n: {w: service_ttft(stack, p, w) for w in wires}
                                for n, p in ttft_prompts.items()}
         info["ttft"] = next(iter(info["ttft_by_len"].values()))
