@@ -215,7 +215,9 @@ def service_profile(stack: GpuStack, prompts: list[list[int]], max_tokens: int, 
     for `seconds`: where each process's host time goes at c = 1."""
     from bench import host_profile
     address = f"127.0.0.1:{stack.gateways[wire][0]}"
-    pids = {c.name: c.proc.pid for c in stack.stack.children if c.name in host_profile.PHASES}
+    gateway = "gateway" if wire == stack.wires[0] else f"gateway-{wire}"   # the wire's own
+    pids = {"gateway" if c.name == gateway else c.name: c.proc.pid for c in stack.stack.children
+            if c.name in ("target", "draft", gateway)}
     recs = host_profile.start(pids, seconds, out)
     t0, tokens, i = time.monotonic(), 0, 0
     while time.monotonic() - t0 < seconds + 0.5:
@@ -566,7 +568,8 @@ def _stack_part(tdir, ddir, args, out, taps, tau, prompts, max_tokens, levels, t
         for wire in wires:
             keep(service_rows(stack, prompts, max_tokens, wire, levels, label))
         if args.profile_seconds and ddir is not None:
-            info["host_profile"] = service_profile(stack, prompts, max_tokens, wires[0],
+            wire = "stream" if "stream" in wires else wires[0]
+            info["host_profile"] = service_profile(stack, prompts, max_tokens, wire,
                                                    args.profile_seconds, out / f"profile-{name}")
         info["ttft_by_len"] = {n: {w: service_ttft(stack, p, w) for w in wires}
                                for n, p in ttft_prompts.items()}

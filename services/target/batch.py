@@ -66,8 +66,13 @@ class BatchPlan:
     capture: tuple[int, ...]  # feature layers any sequence asked for, sorted
 
     @staticmethod
-    def build(items: list[Scheduled]) -> BatchPlan:
+    def build(items: list[Scheduled], pad_to: int = 0) -> BatchPlan:
+        """pad_to: every item is a chain verify of at most pad_to tokens; each runs pad_to rows
+        (its block, then copies of its last token at the next positions: causal attention keeps
+        them out of the real rows, their K/V lands past the committed length and is trimmed
+        with the rejected drafts'), so that the batch fits one captured graph."""
         parts, ids, positions, slices, logit_rows = [], [], [], [], []
+        capture = BatchPlan.capture_of(items)
         for item in items:
             parts.append(Part(item, len(ids), len(logit_rows)))
             start, tree = item.start, None
@@ -78,11 +83,18 @@ class BatchPlan:
             else:
                 ids.extend(item.prefill.token_ids[start: start + item.n])
                 positions.extend(range(start, start + item.n))
-            slices.append(SeqSlice(item.seq.table, start, item.n, tree))
             last = len(ids) - item.logit_rows
             logit_rows.extend(range(last, len(ids)))
-        capture = tuple(sorted({layer for i in items for layer in i.seq.capture_layers}))
+            rows = max(pad_to, item.n)
+            ids.extend(ids[-1:] * (rows - item.n))
+            positions.extend(range(start + item.n, start + rows))
+            slices.append(SeqSlice(item.seq.table, start, rows, tree))
         return BatchPlan(parts, ids, positions, slices, logit_rows, capture)
+
+    @staticmethod
+    def capture_of(items: list[Scheduled]) -> tuple[int, ...]:
+        """The feature layers any of the items' sequences asked for, sorted."""
+        return tuple(sorted({layer for i in items for layer in i.seq.capture_layers}))
 
     def suppress_stop_tokens(self, logits: torch.Tensor, eos_ids: list[int]) -> None:
         """min_tokens: in place, forbids a sequence's stop tokens (EOS and its stop_token_ids)

@@ -19,6 +19,7 @@ from runtime.acceptance import (
     tree_acceptance,
 )
 from runtime.draft_tree import DraftTree
+from runtime.kv_cache import OutOfPages
 from services.common import metrics
 from services.common.callers import external
 from services.common.engine_loop import Work
@@ -66,8 +67,30 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         self._sweep_leases()
         items = self.scheduler.admit(batch)
         if items:
-            self._run(BatchPlan.build(items))
+            self._run(BatchPlan.build(items, self._padding(items)))
         self._publish()
+
+    def _padding(self, items: list[Scheduled]) -> int:
+        """The block every item of a chain-verify batch is padded to, so that the batch runs as
+        one captured graph instead of eagerly (0: as it is). A request's last steps verify short
+        blocks (its remaining tokens), and one short block used to send its whole batch down
+        the eager path. Needs the padded positions' pages (taken from the free pool, trimmed
+        with the rejected drafts') and room in the context."""
+        if not all(i.is_verify and i.verify.tree is None for i in items):
+            return 0
+        longest = max(i.n for i in items)
+        pad = self.worker.padded_block(len(items), longest, BatchPlan.capture_of(items))
+        if pad <= longest and all(i.n == longest for i in items):
+            return 0                                   # runs as one graph already (or none fits)
+        kv, max_ctx = self.worker.kv_cache, self.worker.facts.max_context
+        if any(i.seq.seq_len + pad > max_ctx for i in items):
+            return 0
+        try:
+            for i in items:
+                kv.ensure(i.seq.table, i.seq.seq_len + pad)
+        except OutOfPages:
+            return 0                   # the pages taken stay until this verify's trim
+        return pad
 
     @torch.inference_mode()           # acceptance edits the (inference-mode) logits in place
     def _run(self, plan: BatchPlan) -> None:

@@ -240,6 +240,16 @@ class TargetWorker:
                                              "tree_sizes": sorted({q for q, _ in self._tree_graphs}),
                                              "capture_layers": layer_sets})
 
+    def padded_block(self, batch: int, longest: int, capture_layers: tuple[int, ...]) -> int:
+        """The block a batch of `batch` chain verifies of at most `longest` tokens each is padded
+        to, so that it runs as one captured graph: the smallest captured size that holds them
+        and has a bucket for the batch (0: none; it runs as it is). Tests pad on the CPU through
+        TargetHooks.pad_verify_to."""
+        sizes = self.hooks.pad_verify_to or [
+            q for (q, layers), runner in self._graphs.items()
+            if layers == tuple(capture_layers) and runner.bucket(batch) is not None]
+        return min((q for q in sizes if q >= longest), default=0)
+
     def _graph_for(self, slices: list[SeqSlice], capture_layers: tuple[int, ...], graphs: dict):
         """The captured runner for this batch, or None (eager): every sequence must append the
         same number of tokens, ask for the captured feature layers, and fit a bucket."""
