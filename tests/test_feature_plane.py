@@ -164,18 +164,24 @@ def test_a_cuda_ipc_plane_needs_a_cuda_target_and_a_known_choice(tiny_llama_dir)
         TargetConfig(str(tiny_llama_dir), feature_plane="rdma")
 
 
-def test_the_target_engine_publishes_and_frees(tiny_llama_dir):
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="needs a GPU"))])
+def test_the_target_engine_publishes_and_frees(tiny_llama_dir, device):
     """Prefill and Verify publish in the sequence's plane (one publication each, equal to the
     features an in-message sequence gets); features_consumed frees what the draft holds, and
-    Release the rest."""
+    Release the rest. On a GPU the shared memory is registered with CUDA on both sides (the
+    rows go into it by DMA, straight from the device) and must read back the same."""
     worker = TargetWorker.started(TargetConfig(str(tiny_llama_dir), kv_budget_bytes=8 * MIB,
-                                               feature_plane="shm", feature_plane_mib=4))
+                                               feature_plane="shm", feature_plane_mib=4,
+                                               device=device))
     engine = TargetEngine(worker)
     engine.start()
     try:
         (info,) = engine.publisher.planes()
-        planes = PlaneReader(info, torch.device("cpu"))
+        planes = PlaneReader(info, torch.device(device))
         writer = next(iter(engine.publisher.writers.values()))
+        assert writer.dma == (device == "cuda") and planes.data.is_pinned() == writer.dma
         prompt, layers = list(range(3, 40)), (0, 1)
 
         def prefill(seq, plane):

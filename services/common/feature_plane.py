@@ -146,6 +146,25 @@ class _ShmBacking:
         return PlaneInfo(self.transport, plane_id, self.size)
 
 
+def pin_for(data: torch.Tensor, device: torch.device) -> bool:
+    """Registers host memory `data` (a mapped plane) with CUDA as page-locked, so that copies
+    between it and `device` are one DMA each way, without the driver's staging through a pinned
+    bounce buffer or a CPU copy. For the process's life (planes stay mapped until exit). False:
+    not a CUDA device, or the driver refused (e.g. the locked-memory limit): pageable copies."""
+    if device.type != "cuda" or data.numel() == 0:
+        return False
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel(), 0)
+        ok = int(getattr(err, "value", err)) == 0 and data.is_pinned()
+    except (RuntimeError, AttributeError, TypeError) as e:
+        log.warning("could not register the feature plane with CUDA: %s", e)
+        return False
+    if not ok:
+        log.warning("CUDA refused to register the feature plane (%s bytes): %s; copies to and "
+                    "from it are staged", data.numel(), err)
+    return ok
+
+
 class _PrivateBacking:
     """Host memory only this process maps (a `stream` plane: its FeatureStream sends the rows);
     laid out as a shared-memory plane, records included (the sender checks them)."""
@@ -242,6 +261,7 @@ class PlaneWriter:
 
     def __init__(self, transport: str, size_bytes: int, device: torch.device) -> None:
         self.plane_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.dma = False            # host memory registered with the CUDA device (pin_for)
         if transport == "shm":
             remove_stale_shm()
             self.backing = _ShmBacking(os.path.join(SHM_DIR, PREFIX + self.plane_id),
@@ -250,6 +270,7 @@ class PlaneWriter:
                 bytearray(_MAGIC + self.plane_id.encode().ljust(HEADER - 8, b"\0")),
                 dtype=torch.uint8))
             self.extents = Extents(ALIGN, size_bytes)       # the plane header: the first ALIGN bytes
+            self.dma = pin_for(self.backing.data, device)
         elif transport == "stream":
             self.backing = _PrivateBacking(size_bytes)
             self.extents = Extents(ALIGN, size_bytes)
@@ -267,8 +288,10 @@ class PlaneWriter:
 
     @property
     def on_host(self) -> bool:
-        """Its memory is the host's: rows from a GPU are best brought over in one copy first."""
-        return not isinstance(self.backing, _CudaBacking)
+        """Rows from a GPU are best brought to the host in one copy first: its memory is the
+        host's and not registered with the device (a registered one takes them by DMA, like a
+        device plane, and is synchronized before the answer the same way)."""
+        return not isinstance(self.backing, _CudaBacking) and not self.dma
 
     def usage(self) -> float:
         return self.extents.used / self.backing.size
@@ -346,6 +369,7 @@ class PlaneReader:
         if info.transport == "shm":
             self.data = self._open_shm(info)
             self.record = HEADER
+            pin_for(self.data, device)      # rows reach the draft's GPU by DMA
         elif info.transport == "cuda-ipc":
             self.data = _open_cuda(info, device)
             self.record = 0
