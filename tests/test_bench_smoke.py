@@ -223,7 +223,7 @@ def run(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
 
 def test_every_benchmark_module_has_a_smoke_test():
     tools = {"__init__", "report", "tiny", "run_cpu", "gpu_report", "plot_drafters",
-             "render_dashboard", "grafana_dashboard", "local_prometheus"}
+             "render_dashboard", "grafana_dashboard", "local_prometheus", "host_profile"}
     modules = {p.stem for p in (REPO / "bench").glob("*.py")} - tools
     assert modules == {b.module for b in BENCHES}
 
