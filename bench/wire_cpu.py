@@ -80,11 +80,11 @@ def serve(port: int) -> None:
     propose_reply = draft_pb2.ProposeResponse(draft_tokens=[5] * (BLOCK - 1), context_len=102)
 
     class Target(TargetServicer):
-        async def verify(self, request):
+        async def verify(self, request, owner):
             return verify_reply
 
     class Draft(DraftServicer):
-        async def propose(self, request):
+        async def propose(self, request, owner):
             return propose_reply
 
     def register(server: grpc.aio.Server) -> list[str]:
