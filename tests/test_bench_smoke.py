@@ -223,7 +223,8 @@ def run(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
 
 def test_every_benchmark_module_has_a_smoke_test():
     tools = {"__init__", "report", "tiny", "run_cpu", "gpu_report", "plot_drafters",
-             "render_dashboard", "grafana_dashboard", "local_prometheus", "host_profile"}
+             "render_dashboard", "grafana_dashboard", "local_prometheus", "host_profile",
+             "plot_runs"}
     modules = {p.stem for p in (REPO / "bench").glob("*.py")} - tools
     assert modules == {b.module for b in BENCHES}
 
@@ -248,6 +249,14 @@ def test_gpu_report_renders_the_committed_results(tmp_path):
     doc = (tmp_path / "doc.md").read_text()
     assert "## GPU: one NVIDIA H200 (issue 7)" in doc and "Goals of issue 7" in doc
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_plot_runs_draws_the_committed_ab_runs(tmp_path):
+    """bench.plot_runs from session 26's committed A/B runs (no GPU needed)."""
+    d = REPO / "bench/results/gpu/session26"
+    run([sys.executable, "-m", "bench.plot_runs", "--out", str(tmp_path / "ab.png"),
+         f"before={d / 'dma_ab_before.json'}", f"after={d / 'dma_ab_dma2.json'}"], timeout=120)
+    assert (tmp_path / "ab.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.slow
