@@ -5,7 +5,7 @@ the draft is down; sent with the next Propose."""
 from __future__ import annotations
 
 from dflash.v1 import common_pb2
-from services.common.tensor_codec import WIRE_DTYPES
+from services.common.wire_dtypes import ITEM_BYTES
 
 
 def answer_chunk(resp) -> common_pb2.FeatureChunk | None:
@@ -28,7 +28,7 @@ def chunk_format(chunk: common_pb2.FeatureChunk) -> tuple[int, int, str]:
 def chunk_nbytes(chunk: common_pb2.FeatureChunk) -> int:
     """Bytes the chunk's rows hold, wherever they are."""
     rows, width, dtype = chunk_format(chunk)
-    return rows * width * WIRE_DTYPES[dtype].itemsize
+    return rows * width * ITEM_BYTES[dtype]
 
 
 class DraftFeed:

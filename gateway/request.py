@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from dflash.v1 import common_pb2
-from runtime.sampling import GREEDY_BELOW, MAX_TEMPERATURE, MAX_TOP_K
+from runtime.sampling_limits import GREEDY_BELOW, MAX_TEMPERATURE, MAX_TOP_K
 from services.common.errors import InvalidArgument
 
 MAX_STOP_STRINGS = 16

@@ -18,9 +18,10 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import torch
-
+if TYPE_CHECKING:                  # torch only where a mask is built (the gateway has no torch)
+    import torch
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -47,6 +48,7 @@ class DraftTree:
     def ancestor_mask(self) -> torch.Tensor:
         """bool [n+1, n+1]: True where row node may attend to column node (itself and its
         ancestors, the anchor included)."""
+        import torch
         n = len(self.tokens) + 1
         mask = torch.eye(n, dtype=torch.bool)
         for i, p in enumerate(self.parents, start=1):

@@ -7,13 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Temperatures where the maths stays finite in fp32 (logits / T, then softmax): below GREEDY_BELOW
-# the distribution is the argmax's for every practical purpose and a division by it can overflow
-# to inf (NaN after softmax), so it is greedy (vLLM treats T < 1e-5 the same way); above
-# MAX_TEMPERATURE it is refused (T beyond fp32's range is inf, and -inf / inf is NaN).
-GREEDY_BELOW = 1e-5
-MAX_TEMPERATURE = 1e4
-MAX_TOP_K = 2**31 - 1                   # the wire's int32
+from runtime.sampling_limits import GREEDY_BELOW, MAX_TEMPERATURE, MAX_TOP_K
+
+__all__ = ["GREEDY_BELOW", "MAX_TEMPERATURE", "MAX_TOP_K", "SamplingConfig"]
 
 
 @dataclass(frozen=True)

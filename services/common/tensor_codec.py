@@ -7,10 +7,10 @@ import torch
 
 from dflash.v1 import common_pb2
 from services.common.errors import InvalidArgument
+from services.common.wire_dtypes import ITEM_BYTES
 
-WIRE_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-}
+WIRE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEM_BYTES}
+assert all(WIRE_DTYPES[n].itemsize == b for n, b in ITEM_BYTES.items())
 # numpy has no bfloat16: move raw bits through a same-width integer view.
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 

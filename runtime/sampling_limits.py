@@ -1,0 +1,11 @@
+"""The ranges where sampling's maths stays finite in fp32 (logits / T, then softmax), shared by
+the target (runtime/sampling.py) and the gateway's validation (torch-free: the gateway does not
+import torch). Below GREEDY_BELOW the distribution is the argmax's for every practical purpose and
+a division by it can overflow to inf (NaN after softmax), so it is greedy (vLLM treats T < 1e-5 the
+same way); above MAX_TEMPERATURE it is refused (T beyond fp32's range is inf, and -inf / inf is
+NaN)."""
+from __future__ import annotations
+
+GREEDY_BELOW = 1e-5
+MAX_TEMPERATURE = 1e4
+MAX_TOP_K = 2**31 - 1                   # the wire's int32
