@@ -8,6 +8,7 @@ serves TLS itself (gRPC and HTTPS) and takes API keys from DFLASH_API_KEYS and -
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 
 import grpc
@@ -249,3 +250,21 @@ def test_a_sequence_belongs_to_the_client_certificate_that_created_it(upstreams,
         assert owner.Verify(target_pb2.VerifyRequest(sequence_id="mtls", token_ids=[first]),
                             metadata=key, timeout=30).seq_len == 5
         assert owner.Release(release, metadata=key, timeout=30).released
+
+
+def test_the_health_probe_speaks_mutual_tls(upstreams, certs):
+    """services.common.health_probe with --ca/--cert/--key: the probe Kubernetes runs (an exec
+    probe: its own gRPC probes speak plaintext only) against a target that requires client
+    certificates - SERVING with ours, refused without a client certificate or without TLS."""
+    target, _ = upstreams
+
+    def probe(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "services.common.health_probe",
+                               target.address, "dflash.v1.Target", "--timeout", "5", *extra],
+                              capture_output=True, text=True, timeout=60, check=False)
+    ca, cert, key = certs.path("ca.crt"), certs.path("client.crt"), certs.path("client.key")
+    ok = probe("--ca", ca, "--cert", cert, "--key", key)
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, ok
+    for refused in (probe("--ca", ca), probe()):
+        assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr, refused
+    assert probe("--cert", cert, "--key", key).returncode == 2          # no --ca
