@@ -185,3 +185,39 @@ def test_a_freed_region_is_never_sent():
     assert writer.read_rows(pub.ref, 0, 3) is None
     again = writer.reserve(3, 4, torch.float32)                      # the same region, reused
     assert again.region == pub.region and writer.read_rows(pub.ref, 0, 3) is None
+
+
+def test_a_bug_in_the_stream_is_internal_and_logged(worker, caplog):
+    """A fault injected into the feed (a bug, not a ServiceError): the subscriber gets INTERNAL
+    naming it, the log has its traceback, and the target serves the next subscription."""
+    engine = TargetEngine(worker)
+    engine.start()
+
+    async def body():
+        server, info = await _serve(engine, worker)
+        feed = engine.publisher.feeds[info.plane_id]
+        real = feed.subscribe
+
+        async def broken():
+            yield common_pb2.FeatureStreamMessage()
+            raise RuntimeError("injected fault")
+        feed.subscribe = broken
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await _raw_messages(info, [])
+            assert e.value.code() == grpc.StatusCode.INTERNAL
+            assert "RuntimeError: injected fault" in e.value.details()
+            feed.subscribe = real
+            got: list = []
+            watcher = asyncio.ensure_future(_raw_messages(info, got))
+            await _until(lambda: got, "a message of the next subscription")
+            watcher.cancel()
+        finally:
+            await server.stop(0)
+    try:
+        with caplog.at_level("ERROR", logger="dflash"):
+            asyncio.run(body())
+        assert any("internal error in FeatureStream" in r.getMessage() and r.exc_info
+                   for r in caplog.records)
+    finally:
+        engine.stop()

@@ -9,7 +9,15 @@ import grpc
 from dflash.v1 import common_pb2, target_pb2, target_pb2_grpc
 from runtime.draft_tree import DraftTree, tree_problem
 from services.common import call_stream, callers, tensor_codec, validation
-from services.common.errors import InvalidArgument, NotFound, NotReady, ServiceError, observed, rpc
+from services.common.errors import (
+    InvalidArgument,
+    NotFound,
+    NotReady,
+    ServiceError,
+    failure_status,
+    observed,
+    rpc,
+)
 from services.common.feature_plane import PlaneInfo, PlaneRef
 from services.common.feature_stream import StreamFeed
 from services.target.calls import Features
@@ -118,6 +126,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             except asyncio.CancelledError:
                 outcome.code = grpc.StatusCode.CANCELLED
                 raise
+            except Exception as e:  # noqa: BLE001 - a bug: INTERNAL, logged with its traceback
+                outcome.code, details = failure_status(e, "FeatureStream", "")
+                await context.abort(outcome.code, details)
             finally:
                 await messages.aclose()
 
