@@ -210,10 +210,12 @@ def service_rows(stack: GpuStack, prompts: list[list[int]], max_tokens: int, wir
 
 
 def service_profile(stack: GpuStack, prompts: list[list[int]], max_tokens: int, wire: str,
-                    seconds: float, out: Path) -> dict:
-    """py-spy on the three processes (bench/host_profile.py) while requests run one at a time
-    for `seconds`: where each process's host time goes at c = 1."""
+                    seconds: float, out: Path, concurrency: int = 1) -> dict:
+    """py-spy on the three processes (bench/host_profile.py) while requests run `concurrency`
+    at a time for `seconds`: where each process's host time goes."""
     from bench import host_profile
+    if host_profile.available() is None:           # the rows are kept; the profile is skipped
+        return {"error": "py-spy is not installed (pip install py-spy)"}
     address = f"127.0.0.1:{stack.gateways[wire][0]}"
     gateway = "gateway" if wire == stack.wires[0] else f"gateway-{wire}"   # the wire's own
     pids = {"gateway" if c.name == gateway else c.name: c.proc.pid for c in stack.stack.children
@@ -221,10 +223,11 @@ def service_profile(stack: GpuStack, prompts: list[list[int]], max_tokens: int, 
     recs = host_profile.start(pids, seconds, out)
     t0, tokens, i = time.monotonic(), 0, 0
     while time.monotonic() - t0 < seconds + 0.5:
-        tokens += asyncio.run(drive(address, [prompts[i % len(prompts)]], 1, max_tokens))[0]
-        i += 1
+        batch = [prompts[(i + k) % len(prompts)] for k in range(concurrency)]
+        tokens += asyncio.run(drive(address, batch, concurrency, max_tokens))[0]
+        i += concurrency
     elapsed = time.monotonic() - t0
-    return {"wire": wire, "seconds": seconds, "requests": i,
+    return {"wire": wire, "seconds": seconds, "concurrency": concurrency, "requests": i,
             "tokens_per_s": round(tokens / elapsed, 1),
             "processes": host_profile.finish(recs, seconds)}
 
@@ -476,6 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-seconds", type=float, default=0,
                     help="after each speculative stack's rows: py-spy on its three processes "
                          "for this long while requests run one at a time (bench/host_profile.py)")
+    ap.add_argument("--profile-concurrency", nargs="+", type=int, default=[1],
+                    help="requests in flight while profiling (one profile each)")
     args = ap.parse_args(argv)
     tiny_outputs(args, ap, "gpu_side_by_side", ("out",))
     args.device = "cpu" if args.tiny else "cuda"
@@ -569,8 +574,10 @@ def _stack_part(tdir, ddir, args, out, taps, tau, prompts, max_tokens, levels, t
             keep(service_rows(stack, prompts, max_tokens, wire, levels, label))
         if args.profile_seconds and ddir is not None:
             wire = "stream" if "stream" in wires else wires[0]
-            info["host_profile"] = service_profile(stack, prompts, max_tokens, wire,
-                                                   args.profile_seconds, out / f"profile-{name}")
+            for c in args.profile_concurrency:
+                key = "host_profile" if c == 1 else f"host_profile_c{c}"
+                info[key] = service_profile(stack, prompts, max_tokens, wire, args.profile_seconds,
+                                            out / f"profile-{name}-c{c}", c)
         info["ttft_by_len"] = {n: {w: service_ttft(stack, p, w) for w in wires}
                                for n, p in ttft_prompts.items()}
         info["ttft"] = next(iter(info["ttft_by_len"].values()))
