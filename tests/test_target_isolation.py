@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 
 import pytest
+from support.inproc_target import in_one_batch
 
 from runtime.sampling import SamplingConfig
 from services.common.errors import Internal
@@ -34,15 +34,8 @@ def engine(tiny_llama_02_dir):
 
 
 async def _batched(engine: TargetEngine, *coros):
-    """The coroutines' engine works, all in one batch: the engine thread is held while they are
-    queued. Returns their results or exceptions."""
-    gate, running = threading.Event(), threading.Event()
-    engine.loop.call(lambda: (running.set(), gate.wait(10)))
-    await asyncio.to_thread(running.wait, 10)
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    await asyncio.sleep(0.05)
-    gate.set()
-    return await asyncio.gather(*tasks, return_exceptions=True)
+    """The coroutines' engine works, all in one batch; their results or exceptions."""
+    return await in_one_batch(engine, coros, return_exceptions=True)
 
 
 def _prefill(seq: str, sampling: SamplingConfig = GREEDY) -> PrefillCall:

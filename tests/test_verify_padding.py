@@ -8,10 +8,10 @@ tokens; and a verify whose padded block would pass the context is not padded."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
+from support.inproc_target import in_one_batch
 
 from runtime.sampling import SamplingConfig
 from services.target.config import TargetConfig
@@ -41,29 +41,18 @@ def engines(tiny_llama_02_dir):
     padded.stop()
 
 
-async def _batched(engine: TargetEngine, coros):
-    """The engine works of `coros` in one batch (the engine thread is held while they queue)."""
-    gate, running = threading.Event(), threading.Event()
-    engine.loop.call(lambda: (running.set(), gate.wait(10)))
-    await asyncio.to_thread(running.wait, 10)
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    await asyncio.sleep(0.05)
-    gate.set()
-    return await asyncio.gather(*tasks)
-
-
 async def _run(engine: TargetEngine, steps: int) -> list:
     """Prefills, then `steps` batched verifies whose drafts are the wrong half of the time (a
     fixed pattern: draft i is token (anchor + i) % 7 + 3), and what each step returned."""
     seen, anchors = [], {}
-    prefills = await _batched(engine, [engine.prefill(PrefillCall(
+    prefills = await in_one_batch(engine, [engine.prefill(PrefillCall(
         s, p, SamplingConfig(), LAYERS, torch.float32)) for s, p in PROMPTS.items()])
     for s, r in zip(PROMPTS, prefills):
         anchors[s] = r.next_token
     for _ in range(steps):
         blocks = {s: [a] + [(a + i) % 7 + 3 for i in range(BLOCKS[s] - 1)]
                   for s, a in anchors.items()}
-        results = await _batched(engine, [engine.verify(s, b) for s, b in blocks.items()])
+        results = await in_one_batch(engine, [engine.verify(s, b) for s, b in blocks.items()])
         pages = {s: len(engine.seqs[s].table.pages) for s in blocks}
         for s, r in zip(blocks, results):
             anchors[s] = r.committed[-1]

@@ -93,3 +93,16 @@ def started_engine(worker: TargetWorker) -> TargetEngine:
     engine = TargetEngine(worker)
     engine.start()
     return engine
+
+
+async def in_one_batch(engine: TargetEngine, coros, return_exceptions: bool = False) -> list:
+    """The engine works of `coros`, all in one batch: the engine thread is held while they are
+    queued. Returns their results (or exceptions, with return_exceptions)."""
+    import threading
+    gate, running = threading.Event(), threading.Event()
+    engine.loop.call(lambda: (running.set(), gate.wait(10)))
+    await asyncio.to_thread(running.wait, 10)
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    await asyncio.sleep(0.05)
+    gate.set()
+    return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
