@@ -62,7 +62,8 @@ class FakeTarget(target_servicer.TargetServicer):
         self.slow_s = slow_s
         self.cancelled: list[str] = []
 
-    async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+    async def verify(self, request: target_pb2.VerifyRequest, owner: str
+                     ) -> target_pb2.VerifyResponse:
         if request.sequence_id == "gone":
             raise NotFound("unknown sequence 'gone'")
         if request.sequence_id == "bug":
