@@ -28,7 +28,7 @@ from services.common.feature_plane import PlaneRef, Publication
 from services.common.sequence_engine import SequenceEngine
 from services.target.batch import BatchPlan, Part, Scheduled
 from services.target.calls import PrefillCall, PrefillResult, VerifyCall, VerifyResult
-from services.target.features import Destination, FeatureFetch
+from services.target.features import Destination, FeatureFetch, to_device_index
 from services.target.publisher import FeaturePublisher, plane_transports
 from services.target.scheduler import TargetScheduler
 from services.target.sequence import TargetSequence
@@ -263,5 +263,5 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """t[rows] without an index transfer when the rows are all of t (a verify-only batch)."""
     if len(rows) == t.shape[0] and rows[0] == 0 and rows[-1] == len(rows) - 1:
         return t
-    return t[torch.tensor(rows, device=t.device)]
+    return t.index_select(0, to_device_index(torch.tensor(rows), t.device))
 

@@ -74,7 +74,7 @@ class FeatureFetch:
                            if isinstance(rows, range) and rows.step == 1
                            else torch.tensor([first + r for r in rows], dtype=torch.int64)
                            for first, rows in spans])
-        return self.captured.index_select(0, index.to(self.captured.device))
+        return self.captured.index_select(0, to_device_index(index, self.captured.device))
 
     def _columns(self, rows: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
         """The columns of `layers` (a subset of the batch's captured layers, in their order)."""
@@ -83,6 +83,15 @@ class FeatureFetch:
         h = rows.shape[-1] // len(self.capture)
         return torch.cat([rows[:, self.capture.index(layer) * h: (self.capture.index(layer) + 1) * h]
                           for layer in layers], dim=-1)
+
+
+def to_device_index(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on `device` without waiting for the device: to a GPU through pinned
+    memory, queued behind the work in flight (a pageable copy would first wait for all of it,
+    e.g. the forward whose rows it selects)."""
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
