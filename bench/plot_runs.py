@@ -26,8 +26,8 @@ def plot(runs: dict[str, dict[int, float]], out: Path, title: str) -> None:
     import matplotlib.pyplot as plt
     cs = sorted({c for r in runs.values() for c in r})
     width = 0.8 / len(runs)
-    fig, axes = plt.subplots(1, len(cs), figsize=(4 * len(cs), 3.6))
-    for ax, c in zip(axes if len(cs) > 1 else [axes], cs):
+    fig, axes = plt.subplots(1, len(cs), figsize=(4 * len(cs), 3.6), squeeze=False)
+    for ax, c in zip(axes[0], cs):
         for i, (label, r) in enumerate(runs.items()):
             if c in r:
                 bar = ax.bar(i * width, r[c], width * 0.9, label=label)
@@ -35,8 +35,7 @@ def plot(runs: dict[str, dict[int, float]], out: Path, title: str) -> None:
         ax.set_title(f"c = {c}")
         ax.set_xticks([])
         ax.set_ylabel("output tokens/s")
-    axes_list = axes if len(cs) > 1 else [axes]
-    axes_list[0].legend(fontsize=8, loc="lower left")
+    axes[0][0].legend(fontsize=8, loc="lower left")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

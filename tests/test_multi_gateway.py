@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import grpc
 import pytest
@@ -114,7 +113,5 @@ def test_a_gateway_killed_mid_stream_takes_only_its_own_streams(stack):
     assert kept == expected                                  # the other gateway's, untouched
     cut = [s[-1] for s in lost if isinstance(s[-1], grpc.StatusCode)]
     assert cut and set(cut) == {grpc.StatusCode.UNAVAILABLE}, lost   # killed mid-stream
-    t0 = time.monotonic()
     wait_until(lambda: _sequences_held(target) == 0, timeout=LEASE_S + 6,
                what="the dead gateway's sequences freed")
-    assert time.monotonic() - t0 < LEASE_S + 6

@@ -17,6 +17,8 @@ import secrets
 
 import grpc
 
+from services.common import internal_auth
+
 HEADER = "x-dflash-caller"
 SEPARATOR = "|"
 
@@ -34,8 +36,7 @@ def metadata(caller_key: str) -> tuple[tuple[str, str], ...]:
 def owner(context: grpc.aio.ServicerContext) -> str:
     """The caller's owner tag: a digest of its client certificate and its caller key ('' when
     it proves neither). Cheap: one metadata scan and one SHA-256 of under 2 kB per call."""
-    key = next((v for k, v in context.invocation_metadata() or () if k == HEADER), "")
-    key = key.decode() if isinstance(key, bytes) else key
+    key = internal_auth.metadata_value(context.invocation_metadata(), HEADER)
     certs = (context.auth_context() or {}).get("x509_pem_cert") or [b""]
     if not key and not certs[0]:
         return ""

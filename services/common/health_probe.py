@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -60,8 +61,7 @@ def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
     if not args.ca:
         return None
     try:
-        read = [open(path, "rb").read() if path else None  # noqa: SIM115 - small PEM files
-                for path in (args.ca, args.key, args.cert)]
+        read = [Path(path).read_bytes() if path else None for path in (args.ca, args.key, args.cert)]
     except OSError as e:
         print(f"cannot read a TLS file: {e}", file=sys.stderr)
         raise SystemExit(1) from None

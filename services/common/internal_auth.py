@@ -27,10 +27,15 @@ def metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((HEADER, token),) if token else ()
 
 
+def metadata_value(invocation_metadata, name: str) -> str:
+    """The first value of metadata entry `name` a call carries ('' when none)."""
+    value = next((v for k, v in invocation_metadata or () if k == name), "")
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def allowed(token: str, invocation_metadata) -> bool:
     """Whether a call's metadata carries the token (always, when there is none to check)."""
     if not token:
         return True
-    sent = next((v for k, v in invocation_metadata or () if k == HEADER), "")
-    sent = sent.decode() if isinstance(sent, bytes) else sent
-    return hmac.compare_digest(sent.encode(), token.encode())
+    return hmac.compare_digest(metadata_value(invocation_metadata, HEADER).encode(),
+                               token.encode())
