@@ -100,8 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               "above this many running requests, steps verify one token without drafting (the "
               "draft's features are kept for later); 0 = always draft")
     flags.add(p, "--spec-tree-nodes", 0, int,
-              "greedy requests draft a tree of this many nodes (the likeliest prefixes of the "
-              "block) and the target verifies it in one forward; 0 = a chain of block - 1 drafts. "
+              "requests draft a tree of this many nodes (the likeliest prefixes of the block) and "
+              "the target verifies it in one forward (greedy and sampled requests alike: both "
+              "stay exact); 0 = a chain of block - 1 drafts. "
               "Clamped to what the target and draft allow")
     flags.add(p, "--model-name", "", str, "model name on the API (default: the target's model_id)")
     flags.add(p, "--startup-timeout", 600.0, float, "seconds for the target to be ready (0 = forever)")

@@ -3,8 +3,9 @@
     prefill: t0 = target.Prefill(seq, prompt, sampling, capture_layers)   features of the prompt
     step:    d  = draft.Propose(seq, features not sent yet, anchor, B)      B-1 draft tokens
              v  = target.Verify(seq, [anchor] + d)                           a, [d1..da, bonus]
-             (greedy requests with --spec-tree-nodes N: d is a tree of N drafts with parents,
-              and Verify commits the longest path of the target's own greedy choices in it)
+             (with --spec-tree-nodes N: d is a tree of N drafts with parents, and Verify
+              commits the path of the target's own greedy choices in it, or for a sampled
+              request the path recursive rejection sampling accepts)
     end:     Release on both services (finished, failed or cancelled)
 
 The gateway owns the request: its prompt and committed output (the OutputProcessor) are the
@@ -116,7 +117,7 @@ class Generation:
         block = self._block_size(spec)
         anchor = self.out.output[-1]
         t0 = time.perf_counter()
-        nodes = spec.tree_for(self.req.greedy, self._room() - 1)
+        nodes = spec.tree_for(self._room() - 1)
         drafts = await self.draft.propose(spec, block, nodes, anchor) if block > 1 else NO_DRAFTS
         t1 = time.perf_counter()
         try:

@@ -33,7 +33,7 @@ class Speculation:
     block_size: int                  # default block (anchor + drafts)
     max_block_size: int
     generation: int                  # the draft's capabilities generation (changes on restart)
-    tree_nodes: int = 0              # greedy requests: drafts per tree (0 = a chain)
+    tree_nodes: int = 0              # drafts per tree (0 = a chain)
 
     @property
     def capture_layers(self) -> list[int]:
@@ -44,10 +44,11 @@ class Speculation:
         the tokens the request may still produce and the room left in the context."""
         return max(1, min(requested or self.block_size, self.max_block_size, remaining, room))
 
-    def tree_for(self, greedy: bool, room: int) -> int:
-        """Drafts per tree for a step: greedy requests only (a tree's exactness is the target's
-        greedy path), within the context's room; 0 = a chain."""
-        return max(0, min(self.tree_nodes, room)) if greedy and self.tree_nodes else 0
+    def tree_for(self, room: int) -> int:
+        """Drafts per tree for a step, greedy and sampled requests alike (the target keeps both
+        exact: its greedy path, or recursive rejection sampling), within the context's room;
+        0 = a chain."""
+        return max(0, min(self.tree_nodes, room)) if self.tree_nodes else 0
 
 
 class GatewayState:

@@ -7,7 +7,8 @@ drawn from the residual p_i with x_i removed (renormalised); if every draft is a
 is drawn from p_B. This is the standard rejection rule with q = one-hot, so the committed tokens
 follow the target's distribution exactly (lossless). Greedy (temperature 0) is the limit: accept
 while x_i == argmax p_i, bonus = argmax at the first mismatch. A tree of drafts (greedy only)
-commits the longest path of the target's own greedy choices (runtime/draft_tree.py)."""
+commits the longest path of the target's own greedy choices (runtime/draft_tree.py); a sampled
+tree, the path that recursive rejection sampling accepts (runtime/tree_sampling.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ import torch
 
 from runtime.draft_tree import DraftTree
 from runtime.sampling import SamplingConfig, target_probs
+from runtime.tree_sampling import path_rows, tree_rejection_device
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,11 @@ def greedy_accept_batch(drafts: torch.Tensor, argmax: torch.Tensor) -> torch.Ten
         torch.zeros(drafts.shape[0], dtype=torch.int64, device=drafts.device)
     bonus = argmax.gather(1, accepted.long()[:, None])[:, 0]
     return torch.stack([accepted.long(), bonus], dim=1)
+
+
+def sampled_tree_acceptance(tree: DraftTree, path: list[int], bonus: int) -> Acceptance:
+    """path: the accepted draft nodes, anchor down (runtime/tree_sampling.py)."""
+    return Acceptance(len(path), [tree.tokens[i - 1] for i in path] + [bonus], [0, *path])
 
 
 def rejection_accept_device(drafts: torch.Tensor, probs: torch.Tensor,
@@ -99,6 +106,7 @@ class Decided:
     argmax: list[int] = field(default_factory=list)   # greedy token at each of its logits rows
     accepted: int | None = None          # a chain verify: accepted drafts ...
     token: int | None = None             # ... and its bonus; a finished prefill: its next token
+    path: list[int] = field(default_factory=list)   # a sampled tree: the accepted nodes
     failed: str = ""                     # why its rows could not be decided ("" = they were)
 
 
@@ -111,7 +119,8 @@ class _Ask:
     part: str = ""                       # "greedy" | "sampled" | "token" (the argmax row is
                                          # the token) | "" (argmax rows only)
     at: int = -1
-    width: int = 0                       # values at `at`: 2 (a, bonus) or 1 (a token); a
+    width: int = 0                       # values at `at`: 2 (a, bonus), 1 (a token), or
+                                         # 2 + n (a sampled tree: a, bonus, n path flags); a
                                          # sampled part also has its ok flag after them
 
 
@@ -144,9 +153,16 @@ class BatchDecisions:
         probs, ok = sanitized(target_probs(self.logits[row: row + n], sampling))
         self._sample(_Ask(row, n), rejection_accept_device(d, probs, generator), ok)
 
-    def tree(self, row: int, rows: int) -> None:
-        """A tree verify: its argmax rows alone (the path is walked on the host)."""
-        self.asks.append(_Ask(row, rows))
+    def tree(self, row: int, tree: DraftTree, sampling: SamplingConfig,
+             generator: torch.Generator | None) -> None:
+        """A tree verify whose block rows are logits rows [row, row + n + 1): greedy, its argmax
+        rows alone (the path is walked on the host); sampled, the path decided on the device."""
+        rows = len(tree.tokens) + 1
+        if sampling.greedy:
+            self.asks.append(_Ask(row, rows))
+            return
+        probs, ok = sanitized(target_probs(self.logits[row: row + rows], sampling))
+        self._sample(_Ask(row, rows), tree_rejection_device(tree, probs, generator), ok)
 
     def next_token(self, row: int, sampling: SamplingConfig,
                    generator: torch.Generator | None) -> None:
@@ -198,7 +214,7 @@ def _decided(ask: _Ask, flat: list[int], starts: dict[str, int]) -> Decided:
                                       "top-p) are not finite or sum to 0")
     if ask.width == 1:
         return Decided(argmax, None, values[0])
-    return Decided(argmax, values[0], values[1])
+    return Decided(argmax, values[0], values[1], path_rows(values[2:]))
 
 
 def _greedy_rows(rows: list[tuple[Sequence[int], int, int]], argmax: torch.Tensor) -> torch.Tensor:

@@ -206,7 +206,6 @@ def test_speculation_sizes_each_step_within_every_limit():
     assert spec.block_for(0, remaining=3, room=100) == 3            # tokens still allowed
     assert spec.block_for(0, remaining=100, room=2) == 2            # room in the context
     assert spec.block_for(0, remaining=0, room=0) == 1              # always the anchor
-    assert spec.tree_for(greedy=True, room=100) == 63
-    assert spec.tree_for(greedy=True, room=10) == 10
-    assert spec.tree_for(greedy=False, room=100) == 0               # sampled: a chain
-    assert Speculation(None, 8, 16, 1).tree_for(greedy=True, room=100) == 0
+    assert spec.tree_for(room=100) == 63                            # greedy and sampled alike
+    assert spec.tree_for(room=10) == 10
+    assert Speculation(None, 8, 16, 1).tree_for(room=100) == 0

@@ -65,7 +65,8 @@ def start_engines(target_cfg: TargetConfig, draft_cfg: DraftConfig | None,
 async def speculate(engines: Engines, seq_id: str, prompt: list[int], max_new: int, block: int,
                     sampling: SamplingConfig, eos: set[int], tree_nodes: int = 0) -> SpecResult:
     """Greedy or sampled generation of up to max_new tokens; block 1 = autoregressive.
-    tree_nodes > 0 (greedy only): each step drafts a tree of that many nodes, at most b-1 deep."""
+    tree_nodes > 0: each step drafts a tree of that many nodes, at most b-1 deep (greedy: the
+    target's greedy path; sampled: recursive rejection sampling, runtime/tree_sampling.py)."""
     t0 = time.perf_counter()
     draft = engines.draft if block > 1 else None
     facts = draft.drafter.facts if draft is not None else None
@@ -81,9 +82,9 @@ async def speculate(engines: Engines, seq_id: str, prompt: list[int], max_new: i
             parents: list[int] = []
             t0_step = time.perf_counter()
             if draft is not None and b > 1:
-                nodes = tree_nodes if sampling.greedy else 0
                 proposal = await draft.propose(ProposeCall(
-                    seq_id, start, len(new_ids), new_feats, new_ids, res.tokens[-1], b, nodes))
+                    seq_id, start, len(new_ids), new_feats, new_ids, res.tokens[-1], b,
+                    tree_nodes))
                 start += len(new_ids)
                 drafts, parents = proposal.draft_tokens, proposal.draft_parents
             anchor = res.tokens[-1]

@@ -16,6 +16,7 @@ from runtime.acceptance import (
     BatchDecisions,
     Decided,
     chain_acceptance,
+    sampled_tree_acceptance,
     tree_acceptance,
 )
 from runtime.draft_tree import DraftTree
@@ -124,7 +125,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         for part in plan.parts:
             item, seq = part.item, part.item.seq
             if item.is_verify and item.verify.tree is not None:
-                decisions.tree(part.logit_row, item.n)
+                decisions.tree(part.logit_row, item.verify.tree, seq.sampling, seq.generator)
             elif item.is_verify:
                 decisions.chain(part.logit_row, item.verify.drafts, seq.sampling, seq.generator)
             elif item.finishes:
@@ -159,7 +160,10 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         """Commits a verified block: the anchor and the accepted drafts now have KV (a tree's
         accepted nodes moved into place), rejected positions' pages go back."""
         call, seq = item.verify, item.seq
-        if call.tree is not None:
+        if call.tree is not None and not seq.sampling.greedy:
+            acc = sampled_tree_acceptance(call.tree, decided.path, decided.token)
+            self._compact_path(seq, acc.rows[1:])
+        elif call.tree is not None:
             acc = tree_acceptance(call.tree, decided.argmax)
             self._compact_path(seq, acc.rows[1:])
         elif self.forced is not None:                   # benchmarks: forced acceptance

@@ -6,8 +6,7 @@ sequence whose forward this iteration already holds (it would free the pages tha
 and writes). Those works stay queued for the next iteration.
 Admission: a Release runs at once; a Prefill creates its sequence (replacing an earlier one of
 the same id) and reserves the pages of its whole prompt before any forward; a Verify must find
-its sequence, fit the context, have the recurrent states it needs (hybrid models) and carry a
-tree only for a greedy sequence. A work that fails admission is answered with its error and
+its sequence, fit the context and have the recurrent states it needs (hybrid models). A work that fails admission is answered with its error and
 leaves no half-built sequence behind. Leases are swept by the engine (SequenceEngine)."""
 from __future__ import annotations
 
@@ -111,11 +110,6 @@ class TargetScheduler:
                 f"verify state slots were taken when it was prefilled), so only 1-token blocks "
                 f"can be verified, not {n}; Release and Prefill it again when a slot is free, or "
                 f"start the target with more --verify-state-slots")
-        if call.tree is not None and not seq.sampling.greedy:
-            raise InvalidArgument(
-                f"a tree of drafts can only be verified for a greedy sequence (temperature 0); "
-                f"{external(seq.seq_id)!r} samples at temperature {seq.sampling.temperature:g}: send a chain "
-                f"(no parents)")
 
     def _start_prefill(self, call: PrefillCall) -> TargetSequence:
         if call.seq_id in self.seqs:            # a Prefill replaces the sequence
