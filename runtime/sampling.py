@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.sampling_limits import GREEDY_BELOW, MAX_TEMPERATURE, MAX_TOP_K
+from runtime.sampling_limits import GREEDY_BELOW, MAX_TEMPERATURE, MAX_TOP_K, MAX_TOP_LOGPROBS
 
-__all__ = ["GREEDY_BELOW", "MAX_TEMPERATURE", "MAX_TOP_K", "SamplingConfig"]
+__all__ = ["GREEDY_BELOW", "MAX_TEMPERATURE", "MAX_TOP_K", "MAX_TOP_LOGPROBS", "SamplingConfig"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,9 @@ class SamplingConfig:
     seed: int | None = None
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False               # answer each committed token's log-probability ...
+    top_logprobs: int = 0                # ... and the top ones at its position (runtime/logprobs.py)
+    processed_logprobs: bool = False     # False: the raw distribution; True: the processed one
 
     @property
     def greedy(self) -> bool:
@@ -34,6 +37,11 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                             f"{self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set")
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")

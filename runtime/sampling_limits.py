@@ -9,3 +9,4 @@ from __future__ import annotations
 GREEDY_BELOW = 1e-5
 MAX_TEMPERATURE = 1e4
 MAX_TOP_K = 2**31 - 1                   # the wire's int32
+MAX_TOP_LOGPROBS = 20                   # top_logprobs per position (vLLM's default max_logprobs)

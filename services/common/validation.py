@@ -36,6 +36,8 @@ def sampling(msg: common_pb2.SamplingParams, vocab_size: int) -> SamplingConfig:
         seed=int(msg.seed) if msg.HasField("seed") else None,
         min_tokens=int(msg.min_tokens),
         stop_token_ids=tuple(msg.stop_token_ids),
+        logprobs=msg.logprobs, top_logprobs=int(msg.top_logprobs),
+        processed_logprobs=msg.processed_logprobs,
     )
     try:
         cfg.validate(vocab_size)

@@ -9,6 +9,7 @@ import torch
 
 from runtime.attention.metadata import SeqSlice
 from runtime.sampling import suppress_tokens
+from runtime.token_mask import apply_masks
 from services.common.engine_loop import Work
 from services.target.calls import PrefillCall, VerifyCall
 from services.target.sequence import TargetSequence
@@ -95,6 +96,20 @@ class BatchPlan:
     def capture_of(items: list[Scheduled]) -> tuple[int, ...]:
         """The feature layers any of the items' sequences asked for, sorted."""
         return tuple(sorted({layer for i in items for layer in i.seq.capture_layers}))
+
+    def apply_token_masks(self, logits: torch.Tensor) -> None:
+        """Structured output: in place, each logits row of a masked work keeps only the tokens
+        its mask allows (a verify: one mask per block row; a finishing prefill: its one row)."""
+        rows: list[int] = []
+        masks: list[bytes] = []
+        for part in self.parts:
+            item = part.item
+            given = (item.verify.token_masks if item.is_verify else
+                     (item.prefill.token_mask,) if item.finishes and item.prefill.token_mask
+                     else ())
+            rows.extend(range(part.logit_row, part.logit_row + len(given)))
+            masks.extend(given)
+        apply_masks(logits, rows, masks)
 
     def suppress_stop_tokens(self, logits: torch.Tensor, eos_ids: list[int]) -> None:
         """min_tokens: in place, forbids a sequence's stop tokens (EOS and its stop_token_ids)

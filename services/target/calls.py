@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.draft_tree import DraftTree
+from runtime.logprobs import TokenLogprobs
 from runtime.sampling import SamplingConfig
 from services.common.feature_plane import PlaneRef
 
@@ -21,6 +22,8 @@ class PrefillCall:
     feature_dtype: torch.dtype
     num_generated: int = 0
     feature_plane: str = ""             # publish the features there ("" = in the answer)
+    token_mask: bytes = b""             # structured output: the first output's allowed tokens
+                                        # (runtime/token_mask.py; b"" = any)
 
 
 # Features in an answer: a host tensor [rows, K*H] in the requested dtype, a reference to them in
@@ -33,6 +36,7 @@ class PrefillResult:
     next_token: int
     features: Features                  # [L, K*H]
     seq_len: int
+    logprobs: TokenLogprobs | None = None   # of next_token, when the sampling asked
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class VerifyCall:
     tree: DraftTree | None = None       # the drafts' parents (checked by the servicer);
                                         # None = a chain
     features_consumed: int = 0          # the draft holds positions below this (frees publications)
+    token_masks: tuple[bytes, ...] = () # structured output (chains): one per block row, the
+                                        # tokens allowed after it; () = any
 
     @property
     def drafts(self) -> list[int]:
@@ -58,3 +64,4 @@ class VerifyResult:
     committed: list[int]
     features: Features                  # [a+1, K*H]
     seq_len: int
+    logprobs: list[TokenLogprobs] | None = None   # one per committed token, when asked

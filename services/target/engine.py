@@ -21,6 +21,7 @@ from runtime.acceptance import (
 )
 from runtime.draft_tree import DraftTree
 from runtime.kv_cache import OutOfPages
+from runtime.logprobs import LogprobBatch, TokenLogprobs, processed_logprobs
 from services.common import metrics
 from services.common.callers import external
 from services.common.engine_loop import Work
@@ -55,12 +56,14 @@ class TargetEngine(SequenceEngine[TargetSequence]):
                                        splittable=True))
 
     async def verify(self, seq_id: str, tokens: list[int], tree: DraftTree | None = None,
-                     features_consumed: int = 0) -> VerifyResult:
+                     features_consumed: int = 0, token_masks: tuple[bytes, ...] = ()
+                     ) -> VerifyResult:
         """tokens [anchor, d1..dn]; tree: their parents, checked by the caller
         (runtime.draft_tree.tree_problem); None or a chain's parents: a chain.
-        features_consumed: the draft holds the features of positions below it."""
+        features_consumed: the draft holds the features of positions below it.
+        token_masks: a chain's allowed tokens per block row (checked by the caller)."""
         call = VerifyCall(tokens, tree if tree is not None and not tree.is_chain else None,
-                          features_consumed)
+                          features_consumed, token_masks)
         return await self._submit(Work("verify", seq_id, call, cost=len(tokens)))
 
     # -- engine thread -------------------------------------------------------------------------
@@ -101,7 +104,10 @@ class TargetEngine(SequenceEngine[TargetSequence]):
             plan.slices, torch.tensor(plan.ids), torch.tensor(plan.positions), plan.capture,
             [i.seq.state_slot for i in items], verify=[i.is_verify for i in items])
         logits = self.worker.logits(_rows(out.hidden, plan.logit_rows)) if plan.logit_rows else None
+        raw: dict[int, torch.Tensor] = {}
         if logits is not None:
+            raw = _raw_rows(plan, logits)
+            plan.apply_token_masks(logits)
             plan.suppress_stop_tokens(logits, list(self.worker.facts.eos_token_ids))
             self._poison(plan, logits)
         decided = self._decide(plan, logits)
@@ -109,13 +115,14 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         decided = [d for d in decided if not d.failed]
         accepted = [self._accept(p.item, d) if p.item.is_verify else None
                     for p, d in zip(parts, decided)]
+        logprobs = _logprobs(parts, decided, accepted, logits, raw)
         features = self._features(parts, plan.capture, out.captured, accepted)
-        for part, d, acc, f in zip(parts, decided, accepted, features):
+        for part, d, acc, f, lp in zip(parts, decided, accepted, features, logprobs):
             if acc is None:
-                self._prefill_chunk_done(part.item, f, d.token)
+                self._prefill_chunk_done(part.item, f, d.token, lp[0] if lp else None)
             else:
                 self._answer(part.item.work, VerifyResult(acc.accepted, acc.tokens, _ref(f),
-                                                          part.item.seq.seq_len))
+                                                          part.item.seq.seq_len, lp))
         self._commit_mamba_states(parts, accepted)
         self.stats.record_forward(len(items), len(plan.ids), time.perf_counter() - t0)
 
@@ -216,7 +223,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         return (pub, item.start) if pub is not None else None
 
     def _prefill_chunk_done(self, item: Scheduled, features: torch.Tensor | Publication | None,
-                            token: int | None) -> None:
+                            token: int | None, logprobs: TokenLogprobs | None) -> None:
         work, seq, finished = item.work, item.seq, item.finishes
         if isinstance(features, torch.Tensor):
             work.state["features"].append(features)
@@ -229,7 +236,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         seq.num_generated += 1
         chunks, pub = work.state.pop("features"), work.state.get("publication")
         features = pub.ref if pub is not None else torch.cat(chunks) if chunks else None
-        self._answer(work, PrefillResult(token, features, seq.seq_len))
+        self._answer(work, PrefillResult(token, features, seq.seq_len, logprobs))
 
     def _commit_mamba_states(self, parts: list[Part], accepted: list[Acceptance | None]) -> None:
         """Hybrid models: each verified sequence keeps the recurrent state of its last
@@ -257,6 +264,40 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         metrics.FEATURE_PLANE_USAGE.labels(lb.model_name, lb.service).set(self.publisher.usage())
         if (pool := self.worker.state_pool) is not None:
             metrics.STATE_USAGE.labels(lb.model_name, lb.service).set(pool.usage())
+
+
+def _raw_rows(plan: BatchPlan, logits: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The logits rows of the parts that asked for raw logprobs, copied before masks and
+    suppression change them: part's first logits row -> [its rows, V]."""
+    out = {}
+    for part in plan.parts:
+        cfg, n = part.item.seq.sampling, part.item.logit_rows
+        if cfg.logprobs and not cfg.processed_logprobs and n:
+            out[part.logit_row] = logits[part.logit_row: part.logit_row + n].clone()
+    return out
+
+
+def _logprobs(parts: list[Part], decided: list[Decided], accepted: list[Acceptance | None],
+              logits: torch.Tensor | None, raw: dict[int, torch.Tensor]
+              ) -> list[list[TokenLogprobs] | None]:
+    """Per part, the logprobs of the tokens it commits (None: not asked, or nothing committed):
+    a verify's committed rows (acc.rows), a finished prefill's last row; one read-back."""
+    batch, asked = LogprobBatch(), []
+    for part, d, acc in zip(parts, decided, accepted):
+        cfg, item = part.item.seq.sampling, part.item
+        if logits is None or not cfg.logprobs or (acc is None and not item.finishes):
+            asked.append(False)
+            continue
+        rows, tokens = (list(acc.rows), acc.tokens) if acc is not None else ([0], [d.token])
+        source = raw.get(part.logit_row)
+        if source is None:
+            source = logits[part.logit_row: part.logit_row + item.logit_rows]
+        picked = source.index_select(0, to_device_index(torch.tensor(rows), source.device))
+        batch.add(torch.log_softmax(picked.float(), -1) if part.logit_row in raw
+                  else processed_logprobs(picked, cfg), tokens, cfg.top_logprobs)
+        asked.append(True)
+    read = iter(batch.read())
+    return [next(read) if a else None for a in asked]
 
 
 def _ref(features: torch.Tensor | Publication | None) -> torch.Tensor | PlaneRef | None:

@@ -8,6 +8,8 @@ import grpc
 
 from dflash.v1 import common_pb2, target_pb2, target_pb2_grpc
 from runtime.draft_tree import DraftTree, tree_problem
+from runtime.logprobs import TokenLogprobs
+from runtime.token_mask import mask_problem
 from services.common import call_stream, callers, tensor_codec, validation
 from services.common.errors import (
     InvalidArgument,
@@ -76,10 +78,13 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             token_ids=ids,
             sampling=validation.sampling(request.sampling, f.vocab_size), capture_layers=layers,
             feature_dtype=tensor_codec.wire_dtype(request.feature_dtype or "bfloat16"),
-            num_generated=request.num_generated, feature_plane=request.feature_plane)
+            num_generated=request.num_generated, feature_plane=request.feature_plane,
+            token_mask=_masks([request.token_mask], f.vocab_size)[0] if request.token_mask
+            else b"")
         result = await engine.prefill(call)
-        return target_pb2.PrefillResponse(next_token=result.next_token, seq_len=result.seq_len,
-                                          **_features(result.features))
+        return target_pb2.PrefillResponse(
+            next_token=result.next_token, seq_len=result.seq_len, **_features(result.features),
+            logprobs=_logprobs_pb(result.logprobs) if result.logprobs else None)
 
     Verify, VerifyStream = call_stream.unary_and_stream("Verify", "verify",
                                                         target_pb2.VerifyStreamResponse)
@@ -98,10 +103,15 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             max_b = worker.config.max_block_size
             raise InvalidArgument(f"a verify block has {len(ids)} tokens; allowed 1..{max_b} "
                                   f"(anchor + up to {max_b - 1} drafts)")
-        result = await engine.verify(seq_id, ids, tree, request.features_consumed)
+        masks = ()
+        if request.token_masks:
+            masks = _block_masks(list(request.token_masks), len(ids),
+                                 tree is not None and not tree.is_chain, worker.facts.vocab_size)
+        result = await engine.verify(seq_id, ids, tree, request.features_consumed, masks)
         return target_pb2.VerifyResponse(
             accepted=result.accepted, committed_tokens=result.committed, seq_len=result.seq_len,
-            **_features(result.features))
+            **_features(result.features),
+            logprobs=[_logprobs_pb(lp) for lp in result.logprobs or ()])
 
     @rpc
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
@@ -149,6 +159,32 @@ def _features(features: Features) -> dict:
     if isinstance(features, PlaneRef):
         return {"feature_ref": features.to_pb()}
     return {"features": tensor_codec.encode(features)}
+
+
+def _logprobs_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
+                                    top_logprobs=[v for _, v in lp.top])
+
+
+def _masks(masks: list[bytes], vocab_size: int) -> tuple[bytes, ...]:
+    """Structured output's token masks, each checked (runtime/token_mask.py)."""
+    for i, mask in enumerate(masks):
+        problem = mask_problem(mask, vocab_size)
+        if problem is not None:
+            where = f"token_masks[{i}]" if len(masks) > 1 else "token mask"
+            raise InvalidArgument(f"{where}: {problem}")
+    return tuple(masks)
+
+
+def _block_masks(masks: list[bytes], rows: int, tree: bool, vocab_size: int
+                 ) -> tuple[bytes, ...]:
+    """A Verify's token_masks: one per block row, for a chain (tree: the drafts are not one)."""
+    if tree:
+        raise InvalidArgument("token_masks are for chains only: send no parents with them")
+    if len(masks) != rows:
+        raise InvalidArgument(f"token_masks has {len(masks)} masks for a block of {rows} tokens: "
+                              f"one per block row (the anchor and each draft)")
+    return _masks(masks, vocab_size)
 
 
 def _checked_tree(ids: list[int], parents: list[int], worker: TargetWorker) -> DraftTree:
