@@ -13,6 +13,7 @@ MiB = 1024 * 1024
 # per upstream carrying every call (measured: bench/wire_cpu.py, docs/benchmarks.md).
 WIRES = ("unary", "stream")
 DEFAULT_WIRE = "stream"
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,8 @@ class GatewayConfig:
     http_port: int = 8000                # OpenAI-compatible HTTP API + /metrics (0 = off)
     block_size: int = 0                  # default verify block; 0 = the draft's trained block size
     spec_disable_batch_size: int = 0     # above this many running requests: no drafting (0 = never)
-    spec_tree_nodes: int = 0             # greedy requests: a tree of this many drafts (0 = a chain)
+    spec_tree_nodes: int = 0             # a tree of this many drafts (0 = a chain)
+    logprobs_mode: str = "raw"           # OpenAI logprobs: "raw" | "processed" (runtime/logprobs.py)
     model_name: str = ""                 # name served on the API; "" = the target's model_id
     startup_timeout_s: float = 600.0     # target SERVING + compatible within this, else exit 1 (0 = wait forever)
     backoff_initial_s: float = 0.1       # reconnect backoff of the health watches
@@ -76,6 +78,9 @@ class GatewayConfig:
         if self.spec_tree_nodes < 0:
             raise ValueError(f"--spec-tree-nodes must be >= 0 (0 = chains), got "
                              f"{self.spec_tree_nodes}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"--logprobs-mode {self.logprobs_mode!r}: allowed "
+                             f"{list(LOGPROBS_MODES)}")
         if self.spec_disable_batch_size < 0:
             raise ValueError(f"--spec-disable-batch-size must be >= 0 (0 = always draft), got "
                              f"{self.spec_disable_batch_size}")
@@ -104,6 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               "the target verifies it in one forward (greedy and sampled requests alike: both "
               "stay exact); 0 = a chain of block - 1 drafts. "
               "Clamped to what the target and draft allow")
+    flags.add(p, "--logprobs-mode", "raw", str, "OpenAI logprobs from the model's raw "
+              "distribution (raw, as vLLM's raw_logprobs) or from the one tokens are drawn from, "
+              "after temperature, top-k/p, min_tokens and structured-output masks (processed)")
     flags.add(p, "--model-name", "", str, "model name on the API (default: the target's model_id)")
     flags.add(p, "--startup-timeout", 600.0, float, "seconds for the target to be ready (0 = forever)")
     flags.add(p, "--backoff-initial", 0.1, float, "first reconnect delay of the health watches (s)")
@@ -149,7 +157,8 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         target=args.target, tokenizer_dir=args.tokenizer, draft=args.draft, host=args.host,
         port=args.port, http_port=args.http_port, block_size=args.block_size,
         spec_disable_batch_size=args.spec_disable_batch_size,
-        spec_tree_nodes=args.spec_tree_nodes, model_name=args.model_name, startup_timeout_s=args.startup_timeout,
+        spec_tree_nodes=args.spec_tree_nodes, logprobs_mode=args.logprobs_mode,
+        model_name=args.model_name, startup_timeout_s=args.startup_timeout,
         backoff_initial_s=args.backoff_initial, backoff_max_s=args.backoff_max,
         prefill_timeout_s=args.prefill_timeout, step_timeout_s=args.step_timeout, wire=args.wire,
         max_message_mib=args.max_message_mib, keepalive_s=args.keepalive_s,

@@ -19,8 +19,9 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from dflash.v1 import common_pb2
 from gateway.admission import Admission
 from gateway.draft_link import NO_DRAFTS, DraftLink
 from gateway.feed import answer_chunk, chunk_nbytes
@@ -63,6 +64,8 @@ class Event:
     accepted: int                    # drafts accepted in this step
     finish_reason: str | None = None
     usage: Usage | None = None       # on the last event
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)  # one per token_ids
+                                     # entry when the request asked for them, else empty
 
 
 class Generation:
@@ -110,7 +113,8 @@ class Generation:
         chunk = answer_chunk(resp)
         self.telemetry.prefill_done(chunk_nbytes(chunk) if chunk is not None else None)
         self.draft.keep(chunk, prompt)
-        return self._deliver([resp.next_token], accepted=0)
+        return self._deliver([resp.next_token], 0, [resp.logprobs] if resp.HasField("logprobs")
+                             else [])
 
     async def _step(self) -> Event:
         spec = self.state.speculation()
@@ -134,7 +138,7 @@ class Generation:
         self.draft.keep(answer_chunk(resp), [anchor] + committed[:-1])
         n = len(drafts.tokens)
         self.usage.record_step(n, resp.accepted)
-        event = self._deliver(committed, accepted=resp.accepted)
+        event = self._deliver(committed, resp.accepted, list(resp.logprobs))
         self.telemetry.step(t1 - t0 if block > 1 else None, t2 - t1, n, resp.accepted)
         return event
 
@@ -161,12 +165,15 @@ class Generation:
         return self.state.target_caps.max_context - self.committed_len
 
     # -- output ----------------------------------------------------------------------------------
-    def _deliver(self, tokens: list[int], accepted: int) -> Event:
+    def _deliver(self, tokens: list[int], accepted: int,
+                 logprobs: list[common_pb2.TokenLogprobs]) -> Event:
+        """logprobs: one per token (the target's), or none when the request did not ask."""
         d = self.out.add(tokens)
         self.usage.completion_tokens = len(self.out.output)
         self.telemetry.emitted(len(d.token_ids))
         usage = self.usage if d.finish_reason else None
-        return Event(d.token_ids, d.text, accepted, d.finish_reason, usage)
+        return Event(d.token_ids, d.text, accepted, d.finish_reason, usage,
+                     logprobs[: len(d.token_ids)])
 
     async def _release(self) -> None:
         await asyncio.gather(self.target.release(), self.draft.release())

@@ -70,13 +70,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
             min_tokens=s.min_tokens, stop=tuple(msg.stop), stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=msg.ignore_eos, block_size=msg.block_size,
-            skip_special_tokens=msg.skip_special_tokens, request_id=msg.request_id)
+            skip_special_tokens=msg.skip_special_tokens, logprobs=s.logprobs,
+            top_logprobs=s.top_logprobs, processed_logprobs=s.processed_logprobs,
+            request_id=msg.request_id)
 
 
 def _to_proto(event: Event) -> gateway_pb2.GenerateResponse:
     return gateway_pb2.GenerateResponse(
         token_ids=event.token_ids, text=event.text, finish_reason=event.finish_reason or "",
-        accepted=event.accepted, usage=_usage(event.usage) if event.usage else None)
+        accepted=event.accepted, usage=_usage(event.usage) if event.usage else None,
+        logprobs=event.logprobs)
 
 
 def _usage(u: Usage) -> gateway_pb2.Usage:

@@ -25,6 +25,7 @@ from gateway.auth import OPEN_HTTP, ApiKeyMiddleware, ApiKeys
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import ClientError, ModelNotFound, classify
 from gateway.generation import Event, Usage
+from gateway.logprobs import LogprobShape, TokenText
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.request import GenerationRequest
 from gateway.service import GatewayService
@@ -127,6 +128,7 @@ def _validation_error(exc: RequestValidationError) -> ClientError:
 class OpenAIApi:
     def __init__(self, service: GatewayService) -> None:
         self.service = service
+        self.token_text = TokenText(service.state.tokenizer)
 
     @property
     def served_names(self) -> set[str]:
@@ -151,7 +153,8 @@ class OpenAIApi:
         arrival = time.perf_counter()
         built: list[GenerationRequest] = []
         events = await self.service.open(lambda: self._request(body, built), arrival)
-        shape = ChunkShape(chat, body.model, body.include_usage, built[0].request_id)
+        logprobs = LogprobShape(self.token_text, chat) if built[0].logprobs else None
+        shape = ChunkShape(chat, body.model, body.include_usage, built[0].request_id, logprobs)
         if body.stream:
             return await self._stream(events, shape)
         return await _until_disconnected(request, self._collect(events, shape))
@@ -160,18 +163,22 @@ class OpenAIApi:
                  built: list[GenerationRequest]) -> GenerationRequest:
         """check_model, then the request with its id (kept in `built` for the response id)."""
         self.check_model(body.model)
+        processed = self.service.state.config.logprobs_mode == "processed"
         req = replace(body.to_request(body.prompt_ids(self.service.prompts)),
-                      request_id=uuid.uuid4().hex)
+                      request_id=uuid.uuid4().hex, processed_logprobs=processed)
         built.append(req)
         return req
 
     async def _collect(self, events: AsyncIterator[Event], shape: ChunkShape) -> JSONResponse:
-        text, last = [], None
+        text, ids, lps, last = [], [], [], None
         async with contextlib.aclosing(events):
             async for event in events:
                 text.append(event.text)
+                ids.extend(event.token_ids)
+                lps.extend(event.logprobs)
                 last = event
-        return JSONResponse(shape.whole("".join(text), last.finish_reason, last.usage))
+        return JSONResponse(shape.whole("".join(text), last.finish_reason, last.usage,
+                                        shape.logprobs_of(ids, lps)))
 
     async def _stream(self, events: AsyncIterator[Event], shape: ChunkShape) -> Response:
         """The first event is awaited before answering, so that a failed prefill still gets a
@@ -189,8 +196,9 @@ async def _sse(first: Event, events: AsyncIterator[Event], shape: ChunkShape) ->
                 yield _data(shape.chunk({"role": "assistant", "content": ""}, None))
             event: Event | None = first
             while event is not None:
-                if event.text or event.finish_reason:
-                    yield _data(shape.delta(event.text, event.finish_reason))
+                logprobs = shape.logprobs_of(event.token_ids, event.logprobs)
+                if event.text or event.finish_reason or logprobs and event.token_ids:
+                    yield _data(shape.delta(event.text, event.finish_reason, logprobs))
                 if event.usage is not None and shape.include_usage:
                     yield _data(shape.usage_chunk(event.usage))
                 event = await anext(events, None)
@@ -227,8 +235,10 @@ async def _wait_disconnect(request: Request) -> None:
 class ChunkShape:
     """OpenAI's response objects for /v1/completions (text_completion) and chat."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool, request_id: str = "") -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool, request_id: str = "",
+                 logprobs: LogprobShape | None = None) -> None:
         self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.logprobs = logprobs             # None: the request asked for none
         # the request id of the gateway's logs (request_id=...), so an answer can be traced
         self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
@@ -237,29 +247,37 @@ class ChunkShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def chunk(self, delta: dict, finish_reason: str | None) -> dict:
+    def logprobs_of(self, ids: list[int], lps: list) -> dict | None:
+        """The logprobs object of these tokens (None when the request asked for none)."""
+        return self.logprobs.of(ids, lps) if self.logprobs is not None else None
+
+    def chunk(self, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         usage = {"usage": None} if self.include_usage else {}
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice], **usage)
-        choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None,
+        choice = {"index": 0, "text": delta.get("content", ""), "logprobs": logprobs,
                   "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice], **usage)
 
-    def delta(self, text: str, finish_reason: str | None) -> dict:
-        return self.chunk({"content": text} if text or not self.chat else {}, finish_reason)
+    def delta(self, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+        return self.chunk({"content": text} if text or not self.chat else {}, finish_reason,
+                          logprobs)
 
     def usage_chunk(self, usage: Usage) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, [], usage=usage_dict(usage))
 
-    def whole(self, text: str, finish_reason: str | None, usage: Usage | None) -> dict:
+    def whole(self, text: str, finish_reason: str | None, usage: Usage | None,
+              logprobs: dict | None = None) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
+                      "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
             obj = "text_completion"
         return self._envelope(obj, [choice], usage=usage_dict(usage) if usage else None)
 

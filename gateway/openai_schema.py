@@ -4,9 +4,11 @@ GenerationRequest.
 Fields, besides the ones implemented:
 - ignored (bookkeeping, no effect on the output): user, metadata, store, service_tier,
   parallel_tool_calls, prompt_cache_key, safety_identifier;
+- logprobs (chat: true/false with top_logprobs 0..20; completions: 0..20 top tokens), from the
+  target's raw distribution (--logprobs-mode processed: the one tokens are drawn from);
 - accepted only at their neutral value, else 400 "not supported": n, best_of (1), echo (false),
-  frequency_penalty / presence_penalty (0), logit_bias (empty), logprobs (null / false),
-  top_logprobs (null / 0), suffix (null), response_format ({"type": "text"}), tools (empty),
+  frequency_penalty / presence_penalty (0), logit_bias (empty), suffix (null),
+  response_format ({"type": "text"}), tools (empty),
   tool_choice ("none"), functions / function_call, audio, prediction, reasoning_effort,
   web_search_options, verbosity (null), modalities (["text"]);
 - vLLM's extensions: top_k, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens;
@@ -96,7 +98,12 @@ class _Sampling(_Strict):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
             seed=None if self.seed is None else self.seed & UINT64, min_tokens=self.min_tokens,
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            **self.logprob_fields())
+
+    def logprob_fields(self) -> dict[str, Any]:
+        """GenerationRequest's logprobs and top_logprobs (validated there)."""
+        return {}
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
@@ -117,7 +124,12 @@ class CompletionRequest(_Sampling):
     def neutral_only(self) -> dict[str, tuple[Any, Any]]:
         return {**super().neutral_only(),
                 "best_of": (self.best_of in (None, 1), "1"), "echo": (not self.echo, "false"),
-                "logprobs": (self.logprobs is None, "null"), "suffix": (self.suffix is None, "null")}
+                "suffix": (self.suffix is None, "null")}
+
+    def logprob_fields(self) -> dict[str, Any]:
+        if self.logprobs is None:
+            return {}
+        return {"logprobs": True, "top_logprobs": self.logprobs}
 
     def prompt_ids(self, tokenizer: PromptTokenizer) -> list[int]:
         p = self.prompt
@@ -178,8 +190,6 @@ class ChatCompletionRequest(_Sampling):
     def neutral_only(self) -> dict[str, tuple[Any, Any]]:
         fmt = self.response_format
         return {**super().neutral_only(),
-                "logprobs": (not self.logprobs, "false"),
-                "top_logprobs": (not self.top_logprobs, "null or 0"),
                 "response_format": (fmt is None or fmt == {"type": "text"}, '{"type": "text"}'),
                 "tools": (not self.tools, "empty"),
                 "tool_choice": (self.tool_choice in (None, "none"), '"none"'),
@@ -195,6 +205,9 @@ class ChatCompletionRequest(_Sampling):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+    def logprob_fields(self) -> dict[str, Any]:
+        return {"logprobs": bool(self.logprobs), "top_logprobs": self.top_logprobs or 0}
 
     def prompt_ids(self, tokenizer: PromptTokenizer) -> list[int]:
         if not self.messages:

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from dflash.v1 import common_pb2
-from runtime.sampling_limits import GREEDY_BELOW, MAX_TEMPERATURE, MAX_TOP_K
+from runtime.sampling_limits import GREEDY_BELOW, MAX_TEMPERATURE, MAX_TOP_K, MAX_TOP_LOGPROBS
 from services.common.errors import InvalidArgument
 
 MAX_STOP_STRINGS = 16
@@ -46,6 +46,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     block_size: int = 0                  # 0 = the gateway's default
     skip_special_tokens: bool = True
+    logprobs: bool = False               # each delivered token's log-probability (the target's) ...
+    top_logprobs: int = 0                # ... and the top ones at its position (0..20)
+    processed_logprobs: bool = False     # False: the raw distribution (runtime/logprobs.py)
     request_id: str = ""
 
     @property
@@ -57,7 +60,9 @@ class GenerationRequest:
         """seed_offset > 0 on a rebuild, so a sampled stream does not replay its random draws."""
         msg = common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k,
                                         min_tokens=self.min_tokens,
-                                        stop_token_ids=list(self.stop_token_ids))
+                                        stop_token_ids=list(self.stop_token_ids),
+                                        logprobs=self.logprobs, top_logprobs=self.top_logprobs,
+                                        processed_logprobs=self.processed_logprobs)
         if self.top_p != 1.0:
             msg.top_p = self.top_p
         if self.seed is not None:
@@ -123,6 +128,11 @@ def _sampling(req: GenerationRequest, limits: Limits, max_tokens: int) -> None:
     if not 0 <= req.min_tokens <= max_tokens:
         raise RequestError(f"min_tokens must be in [0, max_tokens={max_tokens}], got "
                            f"{req.min_tokens}", "min_tokens")
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                           f"{req.top_logprobs}", "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise RequestError("top_logprobs needs logprobs set", "top_logprobs")
 
 
 def _float32(x: float) -> float:
