@@ -7,7 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.sampling_limits import GREEDY_BELOW, MAX_TEMPERATURE, MAX_TOP_K, MAX_TOP_LOGPROBS
+from runtime.penalties import Penalties
+from runtime.sampling_limits import (
+    GREEDY_BELOW,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MAX_TOP_LOGPROBS,
+)
 
 __all__ = ["GREEDY_BELOW", "MAX_TEMPERATURE", "MAX_TOP_K", "MAX_TOP_LOGPROBS", "SamplingConfig"]
 
@@ -23,6 +31,13 @@ class SamplingConfig:
     logprobs: bool = False               # answer each committed token's log-probability ...
     top_logprobs: int = 0                # ... and the top ones at its position (runtime/logprobs.py)
     processed_logprobs: bool = False     # False: the raw distribution; True: the processed one
+    presence_penalty: float = 0.0        # runtime/penalties.py, applied exactly in a verify
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:
@@ -42,6 +57,13 @@ class SamplingConfig:
                              f"{self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
+                                 f"{getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] "
+                             f"(1 = off), got {self.repetition_penalty}")
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")

@@ -38,6 +38,9 @@ def sampling(msg: common_pb2.SamplingParams, vocab_size: int) -> SamplingConfig:
         stop_token_ids=tuple(msg.stop_token_ids),
         logprobs=msg.logprobs, top_logprobs=int(msg.top_logprobs),
         processed_logprobs=msg.processed_logprobs,
+        presence_penalty=float(msg.presence_penalty), frequency_penalty=float(msg.frequency_penalty),
+        repetition_penalty=float(msg.repetition_penalty) if msg.HasField("repetition_penalty")
+        else 1.0,
     )
     try:
         cfg.validate(vocab_size)

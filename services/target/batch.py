@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.attention.metadata import SeqSlice
+from runtime.penalties import apply_penalties
 from runtime.sampling import suppress_tokens
 from runtime.token_mask import apply_masks
 from services.common.engine_loop import Work
@@ -48,6 +49,20 @@ class Scheduled:
     def logit_rows(self) -> int:
         """Rows it needs logits for: every block row of a verify, the last prompt token."""
         return self.n if self.is_verify else int(self.finishes)
+
+    def outputs_before_rows(self) -> list[list[int]]:
+        """Per logits row, the outputs without KV before the position it predicts: a verify's
+        anchor and the drafts on the way to the row (a chain: those before it; a tree: the
+        node's ancestors and itself); none for a prefill's row."""
+        if not self.is_verify:
+            return [[] for _ in range(self.logit_rows)]
+        tokens, tree = self.verify.tokens, self.verify.tree
+        if tree is None:
+            return [tokens[: i + 1] for i in range(self.n)]
+        paths = [[tokens[0]]]
+        for i, p in enumerate(tree.parents, start=1):
+            paths.append(paths[p] + [tokens[i]])
+        return paths
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,16 @@ class BatchPlan:
     def capture_of(items: list[Scheduled]) -> tuple[int, ...]:
         """The feature layers any of the items' sequences asked for, sorted."""
         return tuple(sorted({layer for i in items for layer in i.seq.capture_layers}))
+
+    def apply_penalties(self, logits: torch.Tensor) -> None:
+        """In place: each penalizing sequence's rows, with its own counts per row
+        (runtime/penalties.py)."""
+        for part in self.parts:
+            item = part.item
+            state = item.seq.penalties
+            if state is not None and item.logit_rows:
+                apply_penalties(logits[part.logit_row: part.logit_row + item.logit_rows], state,
+                                item.seq.sampling.penalties, item.outputs_before_rows())
 
     def apply_token_masks(self, logits: torch.Tensor) -> None:
         """Structured output: in place, each logits row of a masked work keeps only the tokens

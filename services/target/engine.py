@@ -107,6 +107,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         raw: dict[int, torch.Tensor] = {}
         if logits is not None:
             raw = _raw_rows(plan, logits)
+            plan.apply_penalties(logits)
             plan.apply_token_masks(logits)
             plan.suppress_stop_tokens(logits, list(self.worker.facts.eos_token_ids))
             self._poison(plan, logits)
@@ -179,6 +180,8 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         else:
             acc = chain_acceptance(call.drafts, decided.accepted, decided.token)
         seq.commit(acc.accepted + 1)
+        if seq.penalties is not None:                   # the anchor and the accepted drafts
+            seq.penalties.add([call.tokens[r] for r in acc.rows])
         self.publisher.consumed(seq, call.features_consumed)
         self.worker.kv_cache.trim(seq.table, seq.seq_len)
         self.stats.record_verify(len(call.drafts), acc.accepted)

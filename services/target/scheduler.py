@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from runtime.kv_cache import OutOfPages
+from runtime.penalties import PenaltyState
 from runtime.state_pool import OutOfStateSlots
 from services.common.callers import external
 from services.common.engine_loop import Work
@@ -122,6 +123,9 @@ class TargetScheduler:
         seq = TargetSequence(call.seq_id, call.sampling, call.capture_layers, call.feature_dtype,
                              generator, num_generated=call.num_generated,
                              feature_plane=call.feature_plane)
+        if call.sampling.penalties.active:
+            seq.penalties = PenaltyState.start(call.token_ids, call.num_generated,
+                                               self.worker.facts.vocab_size, self.worker.device)
         if self.worker.facts.hybrid:
             try:
                 seq.state_slot = self.worker.state_pool.allocate(call.seq_id)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.kv_cache import PageTable
+from runtime.penalties import PenaltyState
 from runtime.sampling import SamplingConfig
 from services.common.feature_plane import Publication
 
@@ -28,6 +29,7 @@ class TargetSequence:
     feature_plane: str = ""         # the plane its features are published in ("" = messages)
     # its publications not yet freed, in position order, each with the position it ends before
     publications: list[tuple[Publication, int]] = field(default_factory=list)
+    penalties: PenaltyState | None = None   # its committed tokens, when its sampling penalizes
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
