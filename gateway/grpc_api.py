@@ -72,6 +72,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             ignore_eos=msg.ignore_eos, block_size=msg.block_size,
             skip_special_tokens=msg.skip_special_tokens, logprobs=s.logprobs,
             top_logprobs=s.top_logprobs, processed_logprobs=s.processed_logprobs,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
             request_id=msg.request_id)
 
 

@@ -6,8 +6,10 @@ Fields, besides the ones implemented:
   parallel_tool_calls, prompt_cache_key, safety_identifier;
 - logprobs (chat: true/false with top_logprobs 0..20; completions: 0..20 top tokens), from the
   target's raw distribution (--logprobs-mode processed: the one tokens are drawn from);
+- frequency_penalty / presence_penalty ([-2, 2]) and vLLM's repetition_penalty ((0, 10]),
+  applied exactly by the target inside every verify;
 - accepted only at their neutral value, else 400 "not supported": n, best_of (1), echo (false),
-  frequency_penalty / presence_penalty (0), logit_bias (empty), suffix (null),
+  logit_bias (empty), suffix (null),
   response_format ({"type": "text"}), tools (empty),
   tool_choice ("none"), functions / function_call, audio, prediction, reasoning_effort,
   web_search_options, verbosity (null), modalities (["text"]);
@@ -73,6 +75,7 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions
+    repetition_penalty: float | None = None
     top_k: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -81,10 +84,7 @@ class _Sampling(_Strict):
 
     def neutral_only(self) -> dict[str, tuple[Any, Any]]:
         """field -> (value, what is allowed) for fields that must keep their neutral value."""
-        return {"n": (self.n in (None, 1), "1"),
-                "frequency_penalty": (not self.frequency_penalty, "0"),
-                "presence_penalty": (not self.presence_penalty, "0"),
-                "logit_bias": (not self.logit_bias, "empty")}
+        return {"n": (self.n in (None, 1), "1"), "logit_bias": (not self.logit_bias, "empty")}
 
     def to_request(self, prompt_ids: list[int]) -> GenerationRequest:
         for name, (ok, allowed) in self.neutral_only().items():
@@ -99,6 +99,9 @@ class _Sampling(_Strict):
             seed=None if self.seed is None else self.seed & UINT64, min_tokens=self.min_tokens,
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             **self.logprob_fields())
 
     def logprob_fields(self) -> dict[str, Any]:

@@ -8,7 +8,14 @@ import uuid
 from dataclasses import dataclass, replace
 
 from dflash.v1 import common_pb2
-from runtime.sampling_limits import GREEDY_BELOW, MAX_TEMPERATURE, MAX_TOP_K, MAX_TOP_LOGPROBS
+from runtime.sampling_limits import (
+    GREEDY_BELOW,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MAX_TOP_LOGPROBS,
+)
 from services.common.errors import InvalidArgument
 
 MAX_STOP_STRINGS = 16
@@ -49,6 +56,9 @@ class GenerationRequest:
     logprobs: bool = False               # each delivered token's log-probability (the target's) ...
     top_logprobs: int = 0                # ... and the top ones at its position (0..20)
     processed_logprobs: bool = False     # False: the raw distribution (runtime/logprobs.py)
+    presence_penalty: float = 0.0        # applied on the target, exactly (runtime/penalties.py)
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     request_id: str = ""
 
     @property
@@ -62,7 +72,11 @@ class GenerationRequest:
                                         min_tokens=self.min_tokens,
                                         stop_token_ids=list(self.stop_token_ids),
                                         logprobs=self.logprobs, top_logprobs=self.top_logprobs,
-                                        processed_logprobs=self.processed_logprobs)
+                                        processed_logprobs=self.processed_logprobs,
+                                        presence_penalty=self.presence_penalty,
+                                        frequency_penalty=self.frequency_penalty)
+        if self.repetition_penalty != 1.0:
+            msg.repetition_penalty = self.repetition_penalty
         if self.top_p != 1.0:
             msg.top_p = self.top_p
         if self.seed is not None:
@@ -133,6 +147,19 @@ def _sampling(req: GenerationRequest, limits: Limits, max_tokens: int) -> None:
                            f"{req.top_logprobs}", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs set", "top_logprobs")
+    _penalties(req)
+
+
+def _penalties(req: GenerationRequest) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+            raise RequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), "
+                               f"got {value}", name)
+    if not (math.isfinite(req.repetition_penalty)
+            and 0 < _float32(req.repetition_penalty) <= MAX_REPETITION_PENALTY):
+        raise RequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] "
+                           f"(1 = off), got {req.repetition_penalty}", "repetition_penalty")
 
 
 def _float32(x: float) -> float:

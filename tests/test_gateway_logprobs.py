@@ -1,7 +1,8 @@
-"""Logprobs through the three services (SmolLM2 fp32 + the shipped DFlash drafter), with the real
-`openai` client and gRPC: each delivered token's logprob equals transformers' log-softmax at its
-position within fp32 tolerance, and the target-only path's, whether the token was drafted (a
-chain or a tree, greedy or sampled) or not; the chat, streaming and legacy completion shapes."""
+"""Logprobs and penalties through the three services (SmolLM2 fp32 + the shipped DFlash
+drafter), with the real `openai` client and gRPC: each delivered token's logprob equals
+transformers' log-softmax at its position within fp32 tolerance, and the target-only path's,
+whether the token was drafted (a chain or a tree, greedy or sampled) or not; the chat, streaming
+and legacy completion shapes; penalized output identical with and without drafts."""
 from __future__ import annotations
 
 import httpx
@@ -166,3 +167,19 @@ def test_bad_logprobs_requests_are_400(gateways):
     r = httpx.post(f"{url}/completions", json={"model": MODEL, "prompt": "hi", "logprobs": 99},
                    timeout=60)
     assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"]
+
+
+def test_penalties_under_speculation_equal_the_target_alone(gateways):
+    """Penalized greedy output through a chain and a tree equals the target-only path's (the
+    target counts the drafts before each row), through the real openai client."""
+    outs = {}
+    for name, gw in gateways.items():
+        r = client(gw).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Write a short poem about the sea."}],
+            max_tokens=40, temperature=0, presence_penalty=0.6, frequency_penalty=0.4,
+            extra_body={"repetition_penalty": 1.2})
+        outs[name] = r.choices[0].message.content
+    plain = client(gateways["alone"]).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a short poem about the sea."}],
+        max_tokens=40, temperature=0).choices[0].message.content
+    assert outs["chain"] == outs["tree"] == outs["alone"] != plain
