@@ -25,11 +25,13 @@ from dflash.v1 import common_pb2
 from gateway.admission import Admission
 from gateway.draft_link import NO_DRAFTS, DraftLink
 from gateway.feed import answer_chunk, chunk_nbytes
+from gateway.grammar import GrammarMatcher
 from gateway.output import OutputProcessor
 from gateway.request import GenerationRequest
 from gateway.state import GatewayState, Speculation
 from gateway.target_link import Context, ProposalRefused, Rebuilds, TargetLink
 from gateway.telemetry import RequestTelemetry
+from runtime.draft_tree import DraftTree
 
 log = logging.getLogger("dflash.gateway.loop")
 _background: set[asyncio.Task] = set()
@@ -73,8 +75,9 @@ class Generation:
     the release."""
 
     def __init__(self, state: GatewayState, req: GenerationRequest, arrival: float,
-                 admission: Admission) -> None:
-        self.state, self.req = state, req
+                 admission: Admission, grammar: GrammarMatcher | None = None) -> None:
+        """grammar: structured output's matcher (gateway/grammar.py), None for free text."""
+        self.state, self.req, self.grammar = state, req, grammar
         self.admission = admission       # its running count decides whether to draft (load rule)
         self.out = OutputProcessor(req, list(state.target_caps.eos_token_ids), state.tokenizer)
         self.usage = Usage(prompt_tokens=len(req.prompt_ids))
@@ -109,7 +112,10 @@ class Generation:
     async def _prefill(self) -> Event:
         self.draft.choose_capture(self.state.speculation())
         prompt = list(self.req.prompt_ids)
-        resp = await self.target.prefill(prompt, 0)
+        mask = self.grammar.mask() if self.grammar is not None else b""
+        resp = await self.target.prefill(prompt, 0, token_mask=mask)
+        if self.grammar is not None:
+            self.grammar.accept([resp.next_token])
         chunk = answer_chunk(resp)
         self.telemetry.prefill_done(chunk_nbytes(chunk) if chunk is not None else None)
         self.draft.keep(chunk, prompt)
@@ -121,26 +127,39 @@ class Generation:
         block = self._block_size(spec)
         anchor = self.out.output[-1]
         t0 = time.perf_counter()
-        nodes = spec.tree_for(self._room() - 1)
+        nodes = spec.tree_for(self._room() - 1) if self.grammar is None else 0
         drafts = await self.draft.propose(spec, block, nodes, anchor) if block > 1 else NO_DRAFTS
+        drafts, masks = self._constrained(drafts)
         t1 = time.perf_counter()
         try:
             resp = await self.target.verify([anchor] + drafts.tokens,
                                             [] if drafts.is_chain else drafts.parents,
-                                            self.draft.consumed(self.committed_len))
+                                            self.draft.consumed(self.committed_len), masks)
         except ProposalRefused as e:     # a draft's fault costs only this step's speculation
             log.warning("the target refused the draft's proposal (%s); this step verifies no "
                         "drafts", e.details, extra=self.target.ids)
             drafts = NO_DRAFTS
-            resp = await self.target.verify([anchor], [], self.draft.consumed(self.committed_len))
+            resp = await self.target.verify([anchor], [], self.draft.consumed(self.committed_len),
+                                            masks[:1] if masks else None)
         t2 = time.perf_counter()
         committed = list(resp.committed_tokens)
+        if self.grammar is not None:
+            self.grammar.accept(committed)
         self.draft.keep(answer_chunk(resp), [anchor] + committed[:-1])
         n = len(drafts.tokens)
         self.usage.record_step(n, resp.accepted)
         event = self._deliver(committed, resp.accepted, list(resp.logprobs))
         self.telemetry.step(t1 - t0 if block > 1 else None, t2 - t1, n, resp.accepted)
         return event
+
+    def _constrained(self, drafts: DraftTree) -> tuple[DraftTree, list[bytes] | None]:
+        """Structured output: the drafts cut before the first one the grammar refuses, and the
+        allowed tokens at each block row (the anchor's, then after each kept draft); free text:
+        as they are, no masks."""
+        if self.grammar is None:
+            return drafts, None
+        kept, masks = self.grammar.plan(drafts.tokens)
+        return DraftTree.chain(drafts.tokens[:kept]), masks
 
     def context(self) -> Context:
         """Prompt + committed output without the anchor: the positions that have KV."""

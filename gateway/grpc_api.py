@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -11,6 +12,7 @@ import grpc
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.errors import classify
 from gateway.generation import Event, Usage
+from gateway.grammar import GrammarSpec
 from gateway.request import GenerationRequest, RequestError
 from gateway.service import GatewayService
 from services.common import metrics
@@ -74,7 +76,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             top_logprobs=s.top_logprobs, processed_logprobs=s.processed_logprobs,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            grammar=_grammar(msg.structured) if msg.HasField("structured") else None,
             request_id=msg.request_id)
+
+
+def _grammar(so: gateway_pb2.StructuredOutput) -> GrammarSpec | None:
+    """StructuredOutput -> the grammar it names (json_object false: none)."""
+    kind = so.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not so.json_object):
+        return None
+    if kind == "choice":
+        return GrammarSpec("choice", json.dumps(list(so.choice.choices)))
+    return GrammarSpec(kind, "" if kind == "json_object" else getattr(so, kind))
 
 
 def _to_proto(event: Event) -> gateway_pb2.GenerateResponse:

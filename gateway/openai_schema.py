@@ -8,20 +8,24 @@ Fields, besides the ones implemented:
   target's raw distribution (--logprobs-mode processed: the one tokens are drawn from);
 - frequency_penalty / presence_penalty ([-2, 2]) and vLLM's repetition_penalty ((0, 10]),
   applied exactly by the target inside every verify;
+- structured output (gateway/grammar.py), at most one per request: response_format
+  (json_object, json_schema; "text" = none) and vLLM's structured_outputs (json, regex, choice,
+  grammar, json_object) and guided_json / guided_regex / guided_choice / guided_grammar;
 - accepted only at their neutral value, else 400 "not supported": n, best_of (1), echo (false),
-  logit_bias (empty), suffix (null),
-  response_format ({"type": "text"}), tools (empty),
+  logit_bias (empty), suffix (null), tools (empty),
   tool_choice ("none"), functions / function_call, audio, prediction, reasoning_effort,
   web_search_options, verbosity (null), modalities (["text"]);
 - vLLM's extensions: top_k, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens;
 - anything else: 400 (extra="forbid"), as OpenAI does for unrecognized arguments."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from gateway.grammar import GrammarSpec
 from gateway.prompts import PromptTokenizer
 from gateway.request import UINT64, GenerationRequest, RequestError
 
@@ -74,7 +78,13 @@ class _Sampling(_Strict):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
     # vLLM extensions
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     repetition_penalty: float | None = None
     top_k: int | None = None
     min_tokens: int = 0
@@ -102,7 +112,23 @@ class _Sampling(_Strict):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            **self.logprob_fields())
+            grammar=self.grammar(), **self.logprob_fields())
+
+    def grammar(self) -> GrammarSpec | None:
+        """The one structured-output constraint the request names (None: free text)."""
+        given = [(name, spec) for name, spec in (
+            ("response_format", _response_format(self.response_format)),
+            ("structured_outputs", _structured_outputs(self.structured_outputs)),
+            ("guided_json", _json_spec(self.guided_json, "guided_json")),
+            ("guided_regex", GrammarSpec("regex", self.guided_regex)
+             if self.guided_regex is not None else None),
+            ("guided_choice", _choice(self.guided_choice, "guided_choice")),
+            ("guided_grammar", GrammarSpec("grammar", self.guided_grammar)
+             if self.guided_grammar is not None else None)) if spec is not None]
+        if len(given) > 1:
+            raise RequestError(f"give one structured-output constraint, got "
+                               f"{', '.join(n for n, _ in given)}", given[1][0])
+        return given[0][1] if given else None
 
     def logprob_fields(self) -> dict[str, Any]:
         """GenerationRequest's logprobs and top_logprobs (validated there)."""
@@ -171,7 +197,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -191,9 +216,7 @@ class ChatCompletionRequest(_Sampling):
     safety_identifier: str | None = None
 
     def neutral_only(self) -> dict[str, tuple[Any, Any]]:
-        fmt = self.response_format
         return {**super().neutral_only(),
-                "response_format": (fmt is None or fmt == {"type": "text"}, '{"type": "text"}'),
                 "tools": (not self.tools, "empty"),
                 "tool_choice": (self.tool_choice in (None, "none"), '"none"'),
                 "functions": (not self.functions, "empty"),
@@ -227,3 +250,66 @@ class ChatCompletionRequest(_Sampling):
             raise RequestError(f"the chat template refused these messages: {e}",
                                "messages") from None
         return tokenizer.encode(text, add_special_tokens=False)
+
+
+# -- structured output -----------------------------------------------------------------------------
+def _response_format(fmt: dict[str, Any] | None) -> GrammarSpec | None:
+    """OpenAI's response_format: text (none), json_object, json_schema {name, schema, strict}."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text" and len(fmt) == 1:
+        return None
+    if kind == "json_object" and len(fmt) == 1:
+        return GrammarSpec("json_object", "")
+    if kind == "json_schema" and isinstance(fmt.get("json_schema"), dict):
+        schema = fmt["json_schema"].get("schema", fmt["json_schema"].get("json_schema"))
+        if schema is not None:
+            return _json_spec(schema, "response_format.json_schema.schema")
+    raise RequestError('response_format must be {"type": "text"}, {"type": "json_object"} or '
+                       '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                       "response_format")
+
+
+def _structured_outputs(so: dict[str, Any] | None) -> GrammarSpec | None:
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+    if so is None:
+        return None
+    keys = [k for k, v in so.items() if v not in (None, False)]
+    known = {"json", "regex", "choice", "grammar", "json_object"}
+    if len(keys) != 1 or keys[0] not in known:
+        raise RequestError(f"structured_outputs takes exactly one of {sorted(known)}, got "
+                           f"{sorted(so)}", "structured_outputs")
+    key, value = keys[0], so[keys[0]]
+    if key == "json":
+        return _json_spec(value, "structured_outputs.json")
+    if key == "choice":
+        return _choice(value, "structured_outputs.choice")
+    if key == "json_object":
+        return GrammarSpec("json_object", "")
+    if not isinstance(value, str):
+        raise RequestError(f"structured_outputs.{key} must be a string", "structured_outputs")
+    return GrammarSpec(key, value)
+
+
+def _json_spec(schema: str | dict[str, Any] | None, param: str) -> GrammarSpec | None:
+    """A JSON schema given as an object or as JSON text."""
+    if schema is None:
+        return None
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"{param} is not valid JSON: {e}", param) from None
+    if not isinstance(schema, (dict, bool)):
+        raise RequestError(f"{param} must be a JSON schema (an object)", param)
+    return GrammarSpec("json_schema", json.dumps(schema))
+
+
+def _choice(choices: Any, param: str) -> GrammarSpec | None:
+    if choices is None:
+        return None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c
+                                                                for c in choices):
+        raise RequestError(f"{param} must be a non-empty list of non-empty strings", param)
+    return GrammarSpec("choice", json.dumps(choices))

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from dflash.v1 import common_pb2
+from gateway.grammar import GrammarSpec
 from runtime.sampling_limits import (
     GREEDY_BELOW,
     MAX_PENALTY,
@@ -59,6 +60,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0        # applied on the target, exactly (runtime/penalties.py)
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    grammar: GrammarSpec | None = None   # structured output (compiled by the service)
     request_id: str = ""
 
     @property
@@ -148,6 +150,9 @@ def _sampling(req: GenerationRequest, limits: Limits, max_tokens: int) -> None:
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs set", "top_logprobs")
     _penalties(req)
+    if req.grammar is not None and req.ignore_eos:
+        raise RequestError("ignore_eos cannot be combined with structured output: the grammar "
+                           "ends the output with EOS", "ignore_eos")
 
 
 def _penalties(req: GenerationRequest) -> None:

@@ -5,7 +5,8 @@ loop. `open()` is the one way in:
     readiness  draining or never ready -> UNAVAILABLE at once; ready before (an upstream is
                down or restarting) -> wait for it up to --upstream-wait, then UNAVAILABLE
     build()    the API's request -> GenerationRequest (chat template and tokenizing on a worker
-               thread: gateway/prompts.py), validated (INVALID_ARGUMENT)
+               thread: gateway/prompts.py), validated (INVALID_ARGUMENT); its structured-output
+               grammar compiled (cached, on a worker thread; a bad one is INVALID_ARGUMENT)
     stream     waits for a running slot, then the loop; cancelling it releases the sequences"""
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from dflash.v1 import gateway_pb2
 from gateway.admission import Admission, Ticket
 from gateway.generation import Event, Generation
+from gateway.grammar import GrammarError, GrammarMatcher, GrammarSpec
 from gateway.prompts import PromptTokenizer
-from gateway.request import GenerationRequest, Limits, validate
+from gateway.request import GenerationRequest, Limits, RequestError, validate
 from gateway.state import GatewayState
 from services.common import metrics
 from services.common.errors import Unavailable
@@ -45,10 +47,11 @@ class GatewayService:
         try:
             await self.wait_ready()
             req = self.prepare(await asyncio.to_thread(build))
+            grammar = await self._matcher(req.grammar) if req.grammar is not None else None
         except BaseException:
             ticket.close()
             raise
-        events = self._generate(req, ticket, arrival)
+        events = self._generate(req, ticket, arrival, grammar)
         weakref.finalize(events, ticket.close)
         return events
 
@@ -87,11 +90,19 @@ class GatewayService:
         self.require_ready()
         return validate(req, self.limits())
 
-    async def _generate(self, req: GenerationRequest, ticket: Ticket, arrival: float
-                        ) -> AsyncIterator[Event]:
+    async def _matcher(self, spec: GrammarSpec) -> GrammarMatcher:
+        """A fresh matcher of the request's grammar, compiled once per distinct spec."""
+        try:
+            compiler = await self.state.grammar_compiler()
+            return GrammarMatcher(await asyncio.to_thread(compiler.compile, spec))
+        except GrammarError as e:
+            raise RequestError(f"structured output ({spec.kind}): {e}", "response_format") from None
+
+    async def _generate(self, req: GenerationRequest, ticket: Ticket, arrival: float,
+                        grammar: GrammarMatcher | None) -> AsyncIterator[Event]:
         try:
             await ticket.run()
-            gen = Generation(self.state, req, arrival, self.admission)
+            gen = Generation(self.state, req, arrival, self.admission, grammar)
             async with contextlib.aclosing(gen.events()) as events:
                 async for event in events:
                     yield event

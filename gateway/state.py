@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from dflash.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from gateway import compat
 from gateway.config import GatewayConfig
+from gateway.grammar import GrammarCompiler
 from gateway.planes import PlaneChoice
 from gateway.upstream import Upstream
 from runtime.tokenizer import ChatTokenizer, tokenizer_fingerprint
@@ -74,9 +75,23 @@ class GatewayState:
         self.closing = False             # SIGTERM: never ready again
         self.ready_event = asyncio.Event()
         self.upstreams_event = asyncio.Event()   # upstreams usable (also while closing)
+        self._grammars: GrammarCompiler | None = None    # built at the first structured request
+        self._grammars_lock = asyncio.Lock()
         self._published: bool | None = None
         self._publish_lock = asyncio.Lock()
         self._logged_reason = ""
+
+    async def grammar_compiler(self) -> GrammarCompiler:
+        """Structured output's compiler for the target's vocabulary, built once (on a worker
+        thread: it reads the tokenizer) when the first request needs it; the target must be
+        known (the service checks readiness first)."""
+        caps = self.target_caps
+        async with self._grammars_lock:
+            if self._grammars is None or self._grammars.vocab_size != caps.vocab_size:
+                self._grammars = await asyncio.to_thread(
+                    GrammarCompiler, self.config.tokenizer_dir, caps.vocab_size,
+                    list(caps.eos_token_ids))
+        return self._grammars
 
     def start_watching(self) -> None:
         self.target.start()

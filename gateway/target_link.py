@@ -96,16 +96,20 @@ class TargetLink:
         self.preemptions = 0             # the sequence given back because the pools were full
 
     async def prefill(self, ids: list[int], num_generated: int,
-                      recovery: Recovery | None = None) -> target_pb2.PrefillResponse:
+                      recovery: Recovery | None = None, token_mask: bytes = b""
+                      ) -> target_pb2.PrefillResponse:
         """A Prefill replaces the sequence, so after a failure that a wait can cure (the target
-        down or restarting, its pools full) it is simply sent again."""
+        down or restarting, its pools full) it is simply sent again. token_mask: structured
+        output's allowed first tokens (only the request's first Prefill: a rebuild's next token
+        is not used)."""
         recovery = recovery or Recovery(self.config)
         while True:
             layers, dtype, plane = self.capture()
             req = target_pb2.PrefillRequest(
                 sequence_id=self.seq_id, token_ids=ids,
                 sampling=self.req.sampling_pb(self.prefills), capture_layers=layers,
-                feature_dtype=dtype, num_generated=num_generated, feature_plane=plane)
+                feature_dtype=dtype, num_generated=num_generated, feature_plane=plane,
+                token_mask=token_mask)
             try:
                 resp = await self.state.target.call("Prefill", req, self.config.prefill_timeout_s)
             except UpstreamError as e:
@@ -115,14 +119,16 @@ class TargetLink:
             self.prefills += 1
             return resp
 
-    async def verify(self, tokens: list[int], parents: list[int], features_consumed: int = 0
-                     ) -> target_pb2.VerifyResponse:
+    async def verify(self, tokens: list[int], parents: list[int], features_consumed: int = 0,
+                     token_masks: list[bytes] | None = None) -> target_pb2.VerifyResponse:
         """A Verify is not idempotent (it appends the block), so after a failure that may have
         lost the sequence or the answer, the sequence is rebuilt with a Prefill (which replaces
         it) before Verify is sent again - never the same Verify twice. features_consumed: the
-        draft holds the features of the positions below it (the target frees them)."""
+        draft holds the features of the positions below it (the target frees them).
+        token_masks: structured output, one per token (gateway/grammar.py)."""
         req = target_pb2.VerifyRequest(sequence_id=self.seq_id, token_ids=tokens, parents=parents,
-                                       features_consumed=features_consumed)
+                                       features_consumed=features_consumed,
+                                       token_masks=token_masks or [])
         recovery = Recovery(self.config)
         while True:
             try:
