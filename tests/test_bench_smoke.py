@@ -147,6 +147,15 @@ def spec_load_cpu(d: dict) -> None:
         positive(*(r["tokens_per_s"] for r in rows))
 
 
+def structured_cpu(d: dict) -> None:
+    g = d["grammar"]
+    assert set(g["specs"]) == {"json_schema", "json_object", "regex", "choice", "grammar"}
+    positive(g["mask_us"], g["plan_15_drafts_us"], *(s["compile_ms"] for s in g["specs"].values()))
+    assert [(r["prompt"], r["schema"]) for r in d["speculation"]] == [("colour", False),
+                                                                      ("colour", True)]
+    positive(*(r["tau"] for r in d["speculation"]), *(r["seconds"] for r in d["speculation"]))
+
+
 def target_cpu(d: dict) -> None:
     assert [r["block"] for r in d["verify"]] == [1, 4, 8, 16]
     positive(*(r["median_ms"] for r in d["verify"]), *(r["step_median_ms"] for r in d["verify"]))
@@ -205,6 +214,7 @@ BENCHES = [
     Bench("simulated_tau", simulated_tau),
     Bench("smollm2_gpu", smollm2_gpu),
     Bench("spec_load_cpu", spec_load_cpu, "## Speculation under load (CPU)"),
+    Bench("structured_cpu", structured_cpu),
     Bench("target_cpu", target_cpu, "## Target service (CPU)", extra=("--threads", "1")),
     Bench("train_step", train_step),
     Bench("tree_acceptance", tree_acceptance),
