@@ -129,7 +129,7 @@ class Generation:
         t0 = time.perf_counter()
         nodes = spec.tree_for(self._room() - 1) if self.grammar is None else 0
         drafts = await self.draft.propose(spec, block, nodes, anchor) if block > 1 else NO_DRAFTS
-        drafts, masks = self._constrained(drafts)
+        drafts, masks = await self._constrained(drafts)
         t1 = time.perf_counter()
         try:
             resp = await self.target.verify([anchor] + drafts.tokens,
@@ -152,13 +152,14 @@ class Generation:
         self.telemetry.step(t1 - t0 if block > 1 else None, t2 - t1, n, resp.accepted)
         return event
 
-    def _constrained(self, drafts: DraftTree) -> tuple[DraftTree, list[bytes] | None]:
+    async def _constrained(self, drafts: DraftTree) -> tuple[DraftTree, list[bytes] | None]:
         """Structured output: the drafts cut before the first one the grammar refuses, and the
-        allowed tokens at each block row (the anchor's, then after each kept draft); free text:
-        as they are, no masks."""
+        allowed tokens at each block row (the anchor's, then after each kept draft), on a
+        worker thread (about 0.8 ms for 15 drafts on the CPU; llguidance drops the GIL); free
+        text: as they are, no masks."""
         if self.grammar is None:
             return drafts, None
-        kept, masks = self.grammar.plan(drafts.tokens)
+        kept, masks = await asyncio.to_thread(self.grammar.plan, drafts.tokens)
         return DraftTree.chain(drafts.tokens[:kept]), masks
 
     def context(self) -> Context:
