@@ -181,11 +181,19 @@ def _tree_from(probs_of, anchor: int) -> DraftTree:
     return DraftTree(tokens, parents)
 
 
+DEVICES = [pytest.param({}, id="cpu"),
+           pytest.param({"device": "cuda", "attention_backend": "triton"}, id="cuda",
+                        marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                 reason="needs CUDA"))]
+
+
 @pytest.mark.slow
-def test_a_sampled_tree_through_the_engine_commits_the_targets_distribution(tiny_llama_02_dir):
+@pytest.mark.parametrize("where", DEVICES)
+def test_a_sampled_tree_through_the_engine_commits_the_targets_distribution(tiny_llama_02_dir,
+                                                                             where):
     """Prefill + one tree Verify per sample (T = 1, top-k 3) through the real engine, batched:
     what it commits matches the law enumerated from transformers' probabilities (the
-    reference, after the same temperature and top-k)."""
+    reference, after the same temperature and top-k). On CUDA too (the draws on the device)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_02_dir)).eval()
 
@@ -197,7 +205,7 @@ def test_a_sampled_tree_through_the_engine_commits_the_targets_distribution(tiny
     anchor = 42
     tree = _tree_from(probs_of, anchor)
     law = _exact(tree, _node_probs(probs_of, tree, anchor))
-    engine = started_engine(loaded_worker(tiny_llama_02_dir, kv_budget_bytes=16 << 20))
+    engine = started_engine(loaded_worker(tiny_llama_02_dir, kv_budget_bytes=16 << 20, **where))
     counts: Counter = Counter()
     try:
         for base in range(0, ENGINE_SAMPLES, ENGINE_BATCH):
