@@ -6,7 +6,7 @@ Fields, besides the ones implemented:
   parallel_tool_calls, prompt_cache_key, safety_identifier;
 - logprobs (chat: true/false with top_logprobs 0..20; completions: 0..20 top tokens), from the
   target's raw distribution (--logprobs-mode processed: the one tokens are drawn from);
-- frequency_penalty / presence_penalty ([-2, 2]) and vLLM's repetition_penalty ((0, 10]),
+- frequency_penalty / presence_penalty ([-2, 2]) and vLLM's repetition_penalty ([0.01, 10]),
   applied exactly by the target inside every verify;
 - structured output (gateway/grammar.py), at most one per request: response_format
   (json_object, json_schema; "text" = none) and vLLM's structured_outputs (json, regex, choice,

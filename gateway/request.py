@@ -16,6 +16,7 @@ from runtime.sampling_limits import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
     MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
 )
 from services.common.errors import InvalidArgument
 
@@ -150,9 +151,10 @@ def _sampling(req: GenerationRequest, limits: Limits, max_tokens: int) -> None:
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs set", "top_logprobs")
     _penalties(req)
-    if req.grammar is not None and req.ignore_eos:
-        raise RequestError("ignore_eos cannot be combined with structured output: the grammar "
-                           "ends the output with EOS", "ignore_eos")
+    if req.grammar is not None and (req.ignore_eos or req.min_tokens):
+        name = "ignore_eos" if req.ignore_eos else "min_tokens"
+        raise RequestError(f"{name} cannot be combined with structured output: the grammar "
+                           f"decides where the output ends (with EOS)", name)
 
 
 def _penalties(req: GenerationRequest) -> None:
@@ -161,10 +163,11 @@ def _penalties(req: GenerationRequest) -> None:
         if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
             raise RequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), "
                                f"got {value}", name)
-    if not (math.isfinite(req.repetition_penalty)
-            and 0 < _float32(req.repetition_penalty) <= MAX_REPETITION_PENALTY):
-        raise RequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] "
-                           f"(1 = off), got {req.repetition_penalty}", "repetition_penalty")
+    if not (math.isfinite(req.repetition_penalty) and MIN_REPETITION_PENALTY
+            <= _float32(req.repetition_penalty) <= MAX_REPETITION_PENALTY):
+        raise RequestError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                           f"{MAX_REPETITION_PENALTY:g}] (1 = off), got {req.repetition_penalty}",
+                           "repetition_penalty")
 
 
 def _float32(x: float) -> float:

@@ -15,6 +15,7 @@ from runtime.sampling_limits import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
     MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
 )
 
 __all__ = ["GREEDY_BELOW", "MAX_TEMPERATURE", "MAX_TOP_K", "MAX_TOP_LOGPROBS", "SamplingConfig"]
@@ -61,9 +62,10 @@ class SamplingConfig:
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
                                  f"{getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] "
-                             f"(1 = off), got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}] (1 = off), got "
+                             f"{self.repetition_penalty}")
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")

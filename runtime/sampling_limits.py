@@ -11,4 +11,5 @@ MAX_TEMPERATURE = 1e4
 MAX_TOP_K = 2**31 - 1                   # the wire's int32
 MAX_TOP_LOGPROBS = 20                   # top_logprobs per position (vLLM's default max_logprobs)
 MAX_PENALTY = 2.0                       # |presence_penalty|, |frequency_penalty| (OpenAI's range)
-MAX_REPETITION_PENALTY = 10.0           # repetition_penalty in (0, 10] (1 = off)
+MIN_REPETITION_PENALTY = 0.01           # repetition_penalty in [0.01, 10] (1 = off): a logit
+MAX_REPETITION_PENALTY = 10.0           # divided by less could overflow fp32 to inf

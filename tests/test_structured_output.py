@@ -122,7 +122,7 @@ def test_grpc_generate_with_a_choice(gateways, smollm2_dir):
     prompt = tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": "Pick a colour."}], add_generation_prompt=True))
     structured = gateway_pb2.StructuredOutput(choice=gateway_pb2.Choices(choices=["red", "blue"]))
-    ids, text, _ = gateways["chain"].generate(
+    _, text, _ = gateways["chain"].generate(
         prompt, 16, sampling=common_pb2.SamplingParams(temperature=0.8, seed=3),
         structured=structured)
     assert text in ("red", "blue")
@@ -145,6 +145,7 @@ def test_bad_constraints_are_400_with_the_reason(gateways):
         ({"guided_choice": []}, "non-empty list"),
         ({"guided_json": "{not json"}, "not valid JSON"),
         ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
+        ({"guided_regex": "a+", "min_tokens": 3}, "min_tokens cannot be combined"),
     ]
     for extra, words in cases:
         r = httpx.post(url, json={**base, **extra}, timeout=60)

@@ -104,7 +104,8 @@ def test_bad_penalties_are_refused(client):
     bad = grpc.StatusCode.INVALID_ARGUMENT
     for fields, words in (({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
                           ({"frequency_penalty": float("nan")}, "frequency_penalty"),
-                          ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 10]")):
+                          ({"repetition_penalty": 0.0}, "repetition_penalty must be in [0.01, 10]"),
+                          ({"repetition_penalty": 1e-30}, "repetition_penalty must be in [0.01, 10]")):
         expect_status(lambda f=fields: client.prefill("bad", PROMPT,
                                                       common_pb2.SamplingParams(**f)),
                       bad, words)
