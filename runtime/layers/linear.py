@@ -11,19 +11,23 @@ move 8..17 GB/s, and a whole forward is bound by it (bench/results/cpu_gemm.json
     tokens then costs about what one token costs, which is what makes small verify blocks
     cheap on the CPU.
 
-Registry of CPU GEMMs: 'auto' (the default where torch has oneDNN: W · xᵀ at 1..4 rows, oneDNN
-above) | 'onednn' | 'torch' (F.linear, MKL). Results differ only in fp32 rounding. oneDNN sees
+Registry of CPU GEMMs: 'auto' (the default where torch has oneDNN: per row count the fastest of
+W · xᵀ (1..4 rows), oneDNN and F.linear, measured on the host at start-up; before that, or where
+nothing was measured, W · xᵀ at 1..4 rows and oneDNN above) | 'onednn' | 'torch' (F.linear,
+MKL). Results differ only in fp32 rounding. oneDNN sees
 rows padded to a few dozen counts (onednn_rows): it keeps memory for every shape it meets.
 Only inference on the CPU in fp32 is routed: anything that needs a gradient (training), other
 dtypes and other devices always take F.linear."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from runtime.layers.gemm_calibration import DEFAULT_TABLE, GemmTable, calibrate
 
 log = logging.getLogger("dflash.gemm")
 
@@ -95,11 +99,16 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def _auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] -> [..., N]: W · xᵀ at 1..4 rows, oneDNN above."""
+    """x [..., K] -> [..., N] through the GEMM the process's table picks for its row count:
+    measured on this host at start-up (calibrate_cpu_gemm), else W · xᵀ at 1..4 rows and
+    oneDNN above."""
     rows = _rows(x)
-    if rows not in PADDED_ROWS:
-        return _onednn(x, weight, bias)
-    return _as_rows(_weight_left_2d, x, rows, weight, bias)
+    name = _table[0].for_rows(rows)
+    if name == "weight_left" and rows in PADDED_ROWS:
+        return _as_rows(_weight_left_2d, x, rows, weight, bias)
+    if name == "torch":
+        return F.linear(x, weight, bias)
+    return _onednn(x, weight, bias)
 
 
 CPU_GEMMS: dict[str, Gemm] = {"torch": F.linear}
@@ -109,6 +118,18 @@ if _onednn_available():
 
 DEFAULT_CPU_GEMM = "auto" if "auto" in CPU_GEMMS else "torch"
 _active: list[str] = [DEFAULT_CPU_GEMM]
+_table: list[GemmTable] = [DEFAULT_TABLE]         # what 'auto' follows
+
+
+def calibrate_cpu_gemm(tensors: Iterable[torch.Tensor]) -> GemmTable | None:
+    """With 'auto' active: times the candidate GEMMs on this host for the shapes of the fp32
+    CPU matrices among `tensors` (a model's parameters) and makes 'auto' follow the fastest
+    per row count (runtime/layers/gemm_calibration.py). None when 'auto' is not active."""
+    if _active[0] != "auto":
+        return None
+    _table[0] = calibrate(tensors, {"weight_left": _weight_left_2d, "onednn": _onednn,
+                                    "torch": F.linear})
+    return _table[0]
 
 
 def set_cpu_gemm(name: str) -> None:

@@ -44,15 +44,15 @@ class Work:
     def resolve(self, result: Any) -> None:
         self.finished = True
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(_settle, self.future, result, None)
+            self.loop.call_soon_threadsafe(settle, self.future, result, None)
 
     def fail(self, error: BaseException) -> None:
         self.finished = True
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(_settle, self.future, None, error)
+            self.loop.call_soon_threadsafe(settle, self.future, None, error)
 
 
-def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+def settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
     if fut.done():
         return
     if error is not None:

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from runtime import threads
 from services.common import metrics
-from services.common.engine_loop import EngineLoop, Work
+from services.common.engine_loop import EngineLoop, Work, settle
 from services.common.errors import ServiceError
 from services.common.leases import Leased, LeaseSweeper
 
 S = TypeVar("S", bound=Leased)
+T = TypeVar("T")
 
 
 class EngineStats:
@@ -62,6 +64,23 @@ class SequenceEngine(ABC, Generic[S]):
 
     def stop(self) -> None:
         self.loop.stop()
+
+    async def on_engine_thread(self, fn: Callable[[], T]) -> T:
+        """fn() on the engine thread (the one that computes with the process's threads), its
+        result or exception returned here: start-up measurements that must see the threads
+        serving will use."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def call() -> None:
+            try:
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
+                loop.call_soon_threadsafe(settle, future, None, e)
+            else:
+                loop.call_soon_threadsafe(settle, future, result, None)
+        self.loop.call(call)
+        return await future
 
     async def release(self, seq_id: str) -> bool:
         """Frees the sequence (False: it was not there). Runs even if its caller goes away."""

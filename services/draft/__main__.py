@@ -112,6 +112,7 @@ def service(args: argparse.Namespace, hooks: ServiceHooks) -> bootstrap.ModelSer
         engine.start()
         servicer.stage = "warming up"
         try:
+            await engine.on_engine_thread(drafter.calibrate_cpu_gemm)   # --cpu-gemm auto, CPU
             await warmup(engine, drafter, hooks.warmup_delay_s)
         except BaseException:
             engine.stop()

@@ -24,6 +24,7 @@ from runtime.attention.registry import backend_class
 from runtime.config import default_model_id, parse_dtype
 from runtime.draft_tree import DraftTree, best_tree
 from runtime.kv_cache import PagedKVCache
+from runtime.layers.linear import calibrate_cpu_gemm
 from runtime.models.dflash import (
     DFlashConfig,
     TargetFingerprint,
@@ -113,6 +114,10 @@ class DFlashDrafter(Drafter):
         self._append_graphs = None          # RowGraphs of the context append (CUDA)
 
     # -- start-up ----------------------------------------------------------------------------
+    def calibrate_cpu_gemm(self) -> None:
+        if self.device.type == "cpu":
+            calibrate_cpu_gemm([*self.model.parameters(), self.head.lm_head_weight])
+
     def init_backend(self) -> None:
         base = self.model.cfg.base
         per_page = PagedKVCache.bytes_per_page(base.num_layers, base.num_kv_heads, base.head_dim,

@@ -80,6 +80,10 @@ class Drafter(ABC):
     def capture_cuda_graphs(self) -> None:
         """Warm-up: capture the propose forward where the device and backend allow (no-op)."""
 
+    def calibrate_cpu_gemm(self) -> None:
+        """--cpu-gemm auto on the CPU: measure the fp32 GEMMs on this host's threads for the
+        drafter's matrices, on the engine thread before warm-up (no-op without a model)."""
+
     def reserve(self, item: ProposeItem) -> None:
         """Make room for the item's new context and block; raises OutOfPages. All or nothing."""
 

@@ -96,13 +96,14 @@ def service(args: argparse.Namespace, hooks: TargetHooks) -> bootstrap.ModelServ
 
     async def start() -> TargetEngine:
         """The start-up order (docs/architecture.md §7): weights, memory pools, attention
-        backends, engine, CUDA graphs, warm-up; the servicer names the stage reached until the
-        worker is ready."""
+        backends, engine (and the CPU GEMM measured on its thread), CUDA graphs, warm-up; the
+        servicer names the stage reached until the worker is ready."""
         servicer.worker = worker = await bootstrap.stage(TargetWorker, config, hooks)
         await bootstrap.stage(worker.alloc_memory_pools)
         await bootstrap.stage(worker.init_attention_backends)
         servicer.engine = engine = TargetEngine(worker)
         engine.start()
+        await engine.on_engine_thread(worker.calibrate_cpu_gemm)   # --cpu-gemm auto, CPU
         await bootstrap.stage(worker.capture_cuda_graphs)      # before SERVING: readiness waits
         await warmup(engine, worker)
         worker.mark_ready()

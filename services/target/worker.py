@@ -22,7 +22,7 @@ from runtime.attention.metadata import AttentionMetadata, SeqSlice
 from runtime.attention.registry import backend_class
 from runtime.config import default_model_id, dtype_name, parse_dtype
 from runtime.kv_cache import PagedKVCache
-from runtime.layers.linear import set_cpu_gemm
+from runtime.layers.linear import calibrate_cpu_gemm, set_cpu_gemm
 from runtime.models.forward import ForwardBatch, ForwardOutput
 from runtime.models.registry import load_model
 from runtime.tokenizer import tokenizer_fingerprint
@@ -261,6 +261,13 @@ class TargetWorker:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             return self.model.compute_logits(hidden)
+
+    def calibrate_cpu_gemm(self) -> None:
+        """On the CPU with --cpu-gemm auto: the fastest fp32 GEMM per row count, measured on this
+        host for this model's matrices (runtime/layers/gemm_calibration.py). Run on the engine
+        thread (its compute threads) before warm-up, so readiness waits for it."""
+        if self.device.type == "cpu":
+            calibrate_cpu_gemm(self.model.parameters())
 
     def commit_mamba_state(self, commits: list[tuple[int, int]]) -> None:
         """(state slot, last committed block index) per verified sequence, right after acceptance

@@ -1,0 +1,97 @@
+"""`--cpu-gemm auto` measured on the host (runtime/layers/gemm_calibration.py): the choice is a
+pure function of the timings, the table covers every row count, `auto` follows it (each choice
+gives F.linear's result within fp32 rounding), a failing candidate falls back to the fixed rule,
+and both services calibrate at start-up before SERVING."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.draft_service import start_draft
+from support.procs import start_target
+
+from runtime.layers import linear as lin
+from runtime.layers.gemm_calibration import (
+    DEFAULT_TABLE,
+    ROWS,
+    GemmTable,
+    calibrate,
+    choose,
+    weight_shapes,
+)
+
+
+def test_choose_takes_the_fastest_per_row_count():
+    timings = {}
+    for r in ROWS:
+        timings[(r, "onednn")] = 2.0
+        timings[(r, "torch")] = 1.0 if r >= 16 else 3.0
+        if r <= 4:
+            timings[(r, "weight_left")] = 1.5
+    table = choose(timings)
+    assert [table.choice[r] for r in ROWS] == ["weight_left"] * 4 + ["onednn", "torch", "torch"]
+    timings[(1, "torch")] = 1.4                   # within 10 % of the fixed rule's: kept
+    timings[(2, "torch")] = 1.3                   # clearly faster: taken
+    assert choose(timings).choice[1] == "weight_left" and choose(timings).choice[2] == "torch"
+
+
+def test_row_counts_map_to_the_next_measured_one():
+    table = GemmTable({r: str(r) for r in ROWS})
+    assert [table.for_rows(n) for n in (0, 1, 4, 5, 8, 9, 17, 64, 1000)] == \
+        ["1", "1", "4", "8", "8", "16", "64", "64", "64"]
+
+
+def test_calibration_covers_every_row_count_with_a_valid_candidate():
+    params = [torch.randn(96, 64), torch.randn(64, 96), torch.randn(96, 64), torch.ones(64),
+              torch.randn(8, 8, dtype=torch.bfloat16)]
+    assert weight_shapes(params) == {(96, 64): 2, (64, 96): 1}    # fp32 matrices only
+    gemms = {"weight_left": lin._weight_left_2d, "onednn": lin._onednn, "torch": F.linear}
+    table = calibrate(params, gemms)
+    assert set(table.choice) == set(ROWS)
+    assert all(name in gemms and (name != "weight_left" or r <= 4)
+               for r, name in table.choice.items())
+    assert calibrate([torch.ones(3)], gemms) is DEFAULT_TABLE        # no matrix: the fixed rule
+
+
+def test_a_failing_candidate_keeps_the_fixed_rule(caplog):
+    def broken(x, w, b):
+        raise RuntimeError("kernel error")
+    table = calibrate([torch.randn(32, 32)], {"torch": F.linear, "onednn": broken})
+    assert table is DEFAULT_TABLE
+    assert "calibration failed" in caplog.text and "kernel error" in caplog.text
+
+
+@pytest.mark.skipif("auto" not in lin.CPU_GEMMS, reason="needs oneDNN")
+@pytest.mark.parametrize("name", ["weight_left", "onednn", "torch"])
+def test_auto_follows_the_table(name):
+    w, b = torch.randn(40, 24), torch.randn(40)
+    saved = lin._table[0]
+    lin.set_cpu_gemm("auto")
+    try:
+        lin._table[0] = GemmTable(dict.fromkeys(ROWS, name))
+        for rows in (1, 3, 4, 7, 33):
+            x = torch.randn(rows, 24)
+            assert torch.allclose(lin.linear(x, w, b), F.linear(x, w, b), atol=1e-5)
+        assert lin.calibrate_cpu_gemm([w]) is not None                # auto: measured
+        lin.set_cpu_gemm("torch")
+        assert lin.calibrate_cpu_gemm([w]) is None                    # fixed: untouched
+    finally:
+        lin._table[0] = saved
+        lin.set_cpu_gemm(lin.DEFAULT_CPU_GEMM)
+
+
+@pytest.mark.slow
+def test_both_services_calibrate_before_serving(smollm2_dir, tmp_path):
+    target = start_target(smollm2_dir, tmp_path)
+    draft = start_draft(smollm2_dir, tmp_path, model_dir="models/smollm2-135m-instruct-dflash")
+    try:
+        for proc in (target, draft):
+            log = proc.log()
+            line = next(x for x in log.splitlines() if "cpu gemm calibrated" in x)
+            assert "table=" in line and "1:" in line and "64:" in line
+            assert log.index("cpu gemm calibrated") < log.index("warm-up done")
+            seconds = float(line.split("seconds=")[1].split()[0])
+            assert seconds < 10, line                                  # the goal: <= 2 s
+    finally:
+        draft.stop()
+        target.stop()
