@@ -147,6 +147,19 @@ def spec_load_cpu(d: dict) -> None:
         positive(*(r["tokens_per_s"] for r in rows))
 
 
+def grammar_cpu(d: dict) -> None:
+    lib = d["libraries"]["llguidance"]
+    assert lib["available"] and lib["import"]["loads"] == []          # the gateway stays torch-free
+    assert set(lib["compile_ms"]) >= {"json_schema", "json_object", "regex", "choice", "grammar"}
+    positive(lib["tokenizer_ms"], *lib["compile_ms"].values())
+    for row in lib["documents"].values():
+        assert row["document_walks_through"] and row["only_eos_when_complete"]
+        assert row["rollback_all_gives_the_first_mask"]
+        positive(row["mask_us"]["median"], row["plan_15_us"]["median"],
+                 row["gateway_plan_15_us"]["median"])
+    assert lib["special_tokens_allowed_in_a_string"] == []
+
+
 def structured_cpu(d: dict) -> None:
     g = d["grammar"]
     assert set(g["specs"]) == {"json_schema", "json_object", "regex", "choice", "grammar"}
@@ -207,6 +220,7 @@ BENCHES = [
     Bench("drafter_cpu", drafter_cpu),
     Bench("gateway_cpu", gateway_cpu, "## Gateway / end to end (CPU)"),
     Bench("gpu_layer_ops", gpu_layer_ops),
+    Bench("grammar_cpu", grammar_cpu),
     Bench("gpu_profile", gpu_profile, out_is_dir="gpu_profile.json"),
     Bench("gpu_side_by_side", gpu_side_by_side, out_is_dir="gpu_side_by_side.json"),
     Bench("h200_micro", h200_micro),

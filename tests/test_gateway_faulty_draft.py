@@ -96,7 +96,7 @@ def test_garbage_proposals_cost_only_speculation(stack, temperature):
     assert len(ids) == N
     assert len(draft.proposals) - before >= 5, "the gateway kept asking the draft"
     asked = draft.proposals[before:]
-    assert all((nodes > 0) == (temperature == 0) for _, nodes in asked), asked
+    assert all(nodes > 0 for _, nodes in asked), asked          # trees, greedy and sampled
     usage = responses[-1].usage
     assert usage.verify_steps >= N // 8 and usage.draft_steps < usage.verify_steps
     if temperature == 0:

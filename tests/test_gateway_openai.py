@@ -233,7 +233,7 @@ BAD = [
     ("chat/completions", {**CHAT, "frequency_penalty": -3}, 400, "frequency_penalty"),
     ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
      400, "tools"),
-    ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400,
+    ("chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400,
      "response_format"),
     ("chat/completions", {**CHAT, "stream": True, "top_p": -1}, 400, "top_p"),
     ("chat/completions", {**CHAT, "stream_options": {"include_usage": True, "x": 1}}, 400,
