@@ -3,10 +3,10 @@
 1. What the grammar costs in the gateway (gateway/grammar.py, llguidance, in-process): compiling
    each kind of spec (first time and cached), one token mask, and plan() - the cut and the masks
    of a 15-draft chain, which every structured step runs.
-2. What it does to speculation: `dflash up` (the shipped DFlash drafter, block 16) answering the
-   same chat prompts greedily with and without a JSON schema, through the OpenAI API: tau (mean
-   acceptance length, the gateway's usage), output tokens, seconds; and whether each answer
-   validates against its schema.
+2. What it does to speculation: `dflash up` (the shipped DFlash drafter: its default chain, then
+   trees of 15 with block 16) answering the same chat prompts greedily with and without a JSON
+   schema, through the OpenAI API: tau (mean acceptance length, the gateway's usage), output
+   tokens, seconds; whether each answer validates against its schema.
 
 Writes bench/results/structured_cpu.json; the tables are in docs/structured-output.md.
 --tiny: one schema, 12 tokens, three timing repeats (a smoke test)."""
@@ -61,6 +61,7 @@ def _timed(fn, repeats: int) -> float:
 
 def grammar_costs(model_dir: Path, repeats: int) -> dict:
     from gateway.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
+    from runtime.draft_tree import DraftTree
     from runtime.tokenizer import ChatTokenizer
     t0 = time.perf_counter()
     compiler = GrammarCompiler(model_dir, 49152, [2])
@@ -78,17 +79,28 @@ def grammar_costs(model_dir: Path, repeats: int) -> dict:
     matcher = GrammarMatcher(compiler.compile(GrammarSpec("json_schema",
                                                           json.dumps(SPECS["json_schema"]))))
     out["mask_us"] = _timed(matcher.mask, repeats * 10) * 1e6
-    out["plan_15_drafts_us"] = _timed(lambda: matcher.plan(drafts), repeats) * 1e6
-    out["plan_kept"] = matcher.plan(drafts)[0]
+    chain = DraftTree.chain(drafts)
+    out["plan_15_drafts_us"] = _timed(lambda: matcher.plan(chain), repeats) * 1e6
+    out["plan_kept"] = len(matcher.plan(chain)[0].tokens)
     return out
 
 
-def speculation(log_dir: Path, names: list[str], max_tokens: int) -> list[dict]:
+def speculation(log_dir: Path, names: list[str], max_tokens: int, trees: tuple[int, ...]
+                ) -> list[dict]:
+    """Each prompt with and without its schema, on a stack per verify shape (a chain, or
+    trees of the given sizes)."""
+    rows = []
+    for tree in trees:
+        rows += _one_stack(log_dir, names, max_tokens, tree)
+    return rows
+
+
+def _one_stack(log_dir: Path, names: list[str], max_tokens: int, tree: int) -> list[dict]:
     import jsonschema
 
     from bench.gateway_cpu import StackClient
     rows = []
-    with StackClient("dflash", log_dir) as stack:
+    with StackClient("dflash", log_dir, spec_tree_nodes=tree, block_size=16 if tree else 0) as stack:
         for name in names:
             question, schema = PROMPTS[name]
             for constrained in (False, True):
@@ -100,10 +112,11 @@ def speculation(log_dir: Path, names: list[str], max_tokens: int) -> list[dict]:
                     max_tokens=max_tokens, temperature=0, **extra)
                 seconds = time.perf_counter() - t0
                 spec = r.usage.model_extra["spec_decode"]
-                row = {"prompt": name, "schema": constrained, "seconds": seconds,
-                       "tokens": r.usage.completion_tokens,
+                row = {"prompt": name, "tree_nodes": tree, "schema": constrained,
+                       "seconds": seconds, "tokens": r.usage.completion_tokens,
                        "tau": spec["mean_acceptance_length"], "draft_steps": spec["draft_steps"],
-                       "finish_reason": r.choices[0].finish_reason}
+                       "finish_reason": r.choices[0].finish_reason,
+                       "content": r.choices[0].message.content}
                 if constrained:
                     row["valid"] = _valid(r.choices[0].message.content, schema, jsonschema)
                 rows.append(row)
@@ -132,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"machine": machine(), "date": datetime.date.today().isoformat(),
               "command": "python -m bench.structured_cpu" + (" --tiny" if args.tiny else ""),
               "grammar": grammar_costs(model_dir, 3 if args.tiny else 20),
-              "speculation": speculation(log_dir, names, 12 if args.tiny else args.max_tokens),
+              "speculation": speculation(log_dir, names, 12 if args.tiny else args.max_tokens,
+                                         (0,) if args.tiny else (0, 15)),
               **(tiny_fields() if args.tiny else {})}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

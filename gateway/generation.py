@@ -127,7 +127,7 @@ class Generation:
         block = self._block_size(spec)
         anchor = self.out.output[-1]
         t0 = time.perf_counter()
-        nodes = spec.tree_for(self._room() - 1) if self.grammar is None else 0
+        nodes = spec.tree_for(self._room() - 1)
         drafts = await self.draft.propose(spec, block, nodes, anchor) if block > 1 else NO_DRAFTS
         drafts, masks = await self._constrained(drafts)
         t1 = time.perf_counter()
@@ -153,14 +153,13 @@ class Generation:
         return event
 
     async def _constrained(self, drafts: DraftTree) -> tuple[DraftTree, list[bytes] | None]:
-        """Structured output: the drafts cut before the first one the grammar refuses, and the
-        allowed tokens at each block row (the anchor's, then after each kept draft), on a
-        worker thread (about 0.8 ms for 15 drafts on the CPU; llguidance drops the GIL); free
-        text: as they are, no masks."""
+        """Structured output: the drafts the grammar allows (a chain cut before its first
+        refused token, a tree without each refused node's subtree) and the allowed tokens at
+        each block row, on a worker thread (about 0.8 ms for 15 drafts on the CPU; llguidance
+        drops the GIL); free text: as they are, no masks."""
         if self.grammar is None:
             return drafts, None
-        kept, masks = await asyncio.to_thread(self.grammar.plan, drafts.tokens)
-        return DraftTree.chain(drafts.tokens[:kept]), masks
+        return await asyncio.to_thread(self.grammar.plan, drafts)
 
     def context(self) -> Context:
         """Prompt + committed output without the anchor: the positions that have KV."""

@@ -5,8 +5,9 @@ The gateway owns a structured request's grammar state, as it owns its committed 
 Verify it writes the tokens the grammar allows at each row the target will decide (token masks:
 ceil(V / 32) little-endian int32 words, bit i % 32 of word i // 32 set = token i allowed, the
 layout of runtime/token_mask.py). A draft chain is cut before the first token the grammar
-refuses, so the target never verifies a draft it would have to reject for the grammar alone; what
-the verify rejects is never fed to the matcher (plan() rolls its walk back).
+refuses (a tree: each such node with its subtree), so the target never verifies a draft it would
+have to reject for the grammar alone; what the verify rejects is never fed to the matcher (plan()
+rolls its walk back).
 
 llguidance (Rust; no torch, no transformers) reads tokenizer.json directly, compiles a JSON schema
 in about a millisecond, computes a mask in 4-15 us (about 115 us inside a string with maxLength),
@@ -20,6 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from runtime.draft_tree import DraftTree
 
 if TYPE_CHECKING:
     import llguidance
@@ -190,15 +193,32 @@ class GrammarMatcher:
                 raise GrammarError(f"the grammar refused committed token {token}: "
                                    f"{self.matcher.get_error()}")
 
-    def plan(self, drafts: list[int]) -> tuple[int, list[bytes]]:
-        """For a draft chain about to be verified: (k = the drafts the grammar allows before its
-        first refusal or an EOS draft, the k + 1 masks of the block rows: before d1 (the
-        anchor's row), after d1, ..., after dk). The matcher is left exactly where it was.
+    def plan(self, drafts: DraftTree) -> tuple[DraftTree, list[bytes]]:
+        """For the drafts about to be verified (a chain or a tree): the nodes the grammar allows
+        - a node whose token its parent's state refuses, or an EOS node, is cut with everything
+        under it (a chain: before its first refused token) - and the mask of every block row
+        kept: the anchor's, then each kept node's (the tokens allowed after it), in order. The
+        matcher is left exactly where it was."""
+        if drafts.is_chain:
+            kept, masks = self._plan_chain(list(drafts.tokens))
+            return DraftTree.chain(drafts.tokens[:kept]), masks
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(drafts.parents, start=1):
+            children.setdefault(p, []).append(i)
+        masks_of = {0: self.mask()}
+        self._walk(drafts, children, 0, masks_of)
+        kept_nodes = sorted(k for k in masks_of if k)
+        index = {0: 0, **{old: new for new, old in enumerate(kept_nodes, start=1)}}
+        tree = DraftTree([drafts.tokens[k - 1] for k in kept_nodes],
+                         [index[drafts.parents[k - 1]] for k in kept_nodes])
+        return tree, [masks_of[0], *(masks_of[k] for k in kept_nodes)]
 
-        One llguidance call (LLExecutor) walks d1..dk from the matcher's state, writes row i
-        after d_i and rolls the walk back: up to a third cheaper than a Python loop of consume
-        and mask (bench/grammar_cpu.py); it refuses rows smaller than its mask."""
-        drafts = list(drafts)
+    def _plan_chain(self, drafts: list[int]) -> tuple[int, list[bytes]]:
+        """A chain: (k = the drafts the grammar allows before its first refusal or an EOS
+        draft, the k + 1 masks: before d1 (the anchor's row), after d1, ..., after dk). One
+        llguidance call (LLExecutor) walks d1..dk from the matcher's state, writes row i after
+        d_i and rolls the walk back: up to a third cheaper than a Python loop of consume and
+        mask (bench/grammar_cpu.py); it refuses rows smaller than its mask."""
         k = self.matcher.validate_tokens(drafts) if drafts else 0
         k = next((i for i, t in enumerate(drafts[:k]) if t in self.compiled.eos_ids), k)
         if k == 0:                                   # (llguidance refuses an empty walk)
@@ -209,6 +229,27 @@ class GrammarMatcher:
             raise GrammarError(f"the grammar failed while planning {k} drafts: "
                                f"{self.matcher.get_error()}")
         return k, masks
+
+    def _walk(self, drafts: DraftTree, children: dict[int, list[int]], node: int,
+              masks: dict[int, bytes]) -> None:
+        """A tree, depth first under `node` (whose mask is masks[node]): each allowed child is
+        consumed, its mask taken, its subtree walked, and rolled back."""
+        for child in children.get(node, ()):
+            token = drafts.tokens[child - 1]
+            if token in self.compiled.eos_ids or not _allows(masks[node], token):
+                continue
+            if not self.matcher.consume_token(token):
+                raise GrammarError(f"the grammar refused draft {token} that its mask allowed: "
+                                   f"{self.matcher.get_error()}")
+            masks[child] = self.mask()
+            self._walk(drafts, children, child, masks)
+            if not self.matcher.rollback(1):
+                raise GrammarError(f"the grammar could not roll back: {self.matcher.get_error()}")
+
+
+def _allows(mask: bytes, token: int) -> bool:
+    """Bit `token` of a mask (little-endian int32 words: byte token // 8, bit token % 8)."""
+    return token // 8 < len(mask) and bool(mask[token // 8] >> (token % 8) & 1)
 
 
 def _draft_masks(executor: Any, matcher: Any, drafts: list[int], mask_bytes: int) -> list[bytes]:

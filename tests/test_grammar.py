@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 
 import gateway.grammar
 from gateway.grammar import GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec
+from runtime.draft_tree import DraftTree
 
 V = 49152                      # SmolLM2's vocabulary (model and tokenizer)
 EOS = 2                        # <|im_end|>, the chat model's EOS
@@ -73,6 +74,13 @@ def matcher(compiler: GrammarCompiler, kind: str, source: str = "") -> GrammarMa
 
 def schema_matcher(compiler: GrammarCompiler) -> GrammarMatcher:
     return matcher(compiler, "json_schema", json.dumps(SCHEMA))
+
+
+def plan_chain(m: GrammarMatcher, drafts: list[int]) -> tuple[int, list[bytes]]:
+    """plan() of a chain: (drafts kept, masks); the kept drafts must be a prefix, as a chain."""
+    kept, masks = m.plan(DraftTree.chain(drafts))
+    assert kept.is_chain and kept.tokens == drafts[: len(kept.tokens)]
+    return len(kept.tokens), masks
 
 
 def test_the_mask_is_little_endian_int32_words(compiler, tok):
@@ -183,7 +191,7 @@ def test_plan_cuts_at_the_first_refused_draft_and_leaves_the_matcher_unchanged(c
         m.accept(doc[:start])
         good = doc[start:start + 6]
         before = m.mask()
-        kept, masks = m.plan(good + [wrong] + doc[start:])
+        kept, masks = plan_chain(m, good + [wrong] + doc[start:])
         assert kept == len(good) and len(masks) == kept + 1, start
         assert m.mask() == before and not m.done
         step = schema_matcher(compiler)
@@ -195,16 +203,42 @@ def test_plan_cuts_at_the_first_refused_draft_and_leaves_the_matcher_unchanged(c
         m.accept(good)                               # still where it was: the drafts fit
         assert m.mask() == masks[-1]
     m = schema_matcher(compiler)
-    assert m.plan([]) == (0, [m.mask()])
-    assert m.plan([wrong])[0] == 0
+    assert plan_chain(m, []) == (0, [m.mask()])
+    assert plan_chain(m, [wrong])[0] == 0
+
+
+def test_plan_prunes_a_tree_node_and_its_subtree(compiler, tok):
+    """Under the anchor: a valid branch ('"Ada' then '",'), a refused node ('x') with a
+    child, and a refused node under the branch's last; the kept tree is re-indexed, each kept
+    row's mask is the one accepting its path step by step gives, and the matcher is unchanged."""
+    m = schema_matcher(compiler)
+    m.accept(tok.encode('{"name": '))
+    a, b = tok.encode('"Ada'), tok.encode('",')
+    assert len(a) == 3 and len(b) == 1
+    x = tok.encode("x")[0]
+    # nodes: 1 a0 (0), 2 x (0), 3 a1 (1), 4 a0 (2: under x), 5 a2 (3), 6 b (5), 7 x (6)
+    tree = DraftTree([a[0], x, a[1], a[0], a[2], b[0], x], [0, 0, 1, 2, 3, 5, 6])
+    before = m.mask()
+    kept, masks = m.plan(tree)
+    assert kept.tokens == [*a, b[0]] and kept.parents == [0, 1, 2, 3]
+    assert len(masks) == 5 and m.mask() == before
+    step = schema_matcher(compiler)
+    step.accept(tok.encode('{"name": '))
+    for i, token in enumerate(kept.tokens):
+        assert step.mask() == masks[i]
+        step.accept([token])
+    assert step.mask() == masks[-1]
+    branches = DraftTree([a[0], x, a[1]], [0, 0, 1])         # two siblings, one refused
+    kept, masks = m.plan(branches)
+    assert kept.tokens == [a[0], a[1]] and kept.parents == [0, 1] and len(masks) == 3
 
 
 def test_plan_stops_before_an_eos_draft(compiler, tok):
     m = matcher(compiler, "choice", json.dumps(["yes", "no"]))
     yes = tok.encode("yes")
-    kept, masks = m.plan(yes + [EOS, 5])
+    kept, masks = plan_chain(m, yes + [EOS, 5])
     assert kept == len(yes) and allowed(masks[-1]).tolist() == [EOS]
-    assert m.plan([EOS])[0] == 0 and not m.done
+    assert plan_chain(m, [EOS])[0] == 0 and not m.done
 
 
 def test_eos_where_the_grammar_may_end_or_go_on(compiler, tok):
@@ -300,7 +334,7 @@ def test_ids_past_the_tokenizer_are_never_allowed(smollm2_dir, tok):
         m.accept(tok.encode(prefix))
         ids = allowed(m.mask(), V + 64)
         assert ids.max() < V and len(ids) > 1000, kind
-        assert m.plan([V + 3])[0] == 0
+        assert plan_chain(m, [V + 3])[0] == 0
         with pytest.raises(GrammarError, match="refused committed token"):
             m.accept([V + 3])
 
@@ -325,7 +359,7 @@ def test_matchers_and_compiles_on_several_threads(compiler, tok):
             m, masks = GrammarMatcher(compiled), []
             for token in doc:
                 masks.append(m.mask())
-                m.plan(doc)                          # rolled back: no effect on what follows
+                plan_chain(m, doc)                          # rolled back: no effect on what follows
                 m.accept([token])
             got.append((compiled, masks))
 

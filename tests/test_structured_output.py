@@ -52,7 +52,9 @@ def gateways(smollm2_dir, tmp_path_factory):
     target = start_target(smollm2_dir, logs)
     draft = start_draft(smollm2_dir, logs, model_dir=SHIPPED)
     gws = {"alone": start_gateway(target.address, smollm2_dir, logs),
-           "chain": start_gateway(target.address, smollm2_dir, logs, draft=draft.address)}
+           "chain": start_gateway(target.address, smollm2_dir, logs, draft=draft.address),
+           "tree": start_gateway(target.address, smollm2_dir, logs, "--spec-tree-nodes", "15",
+                                 draft=draft.address)}
     yield gws
     for p in (*gws.values(), draft, target):
         p.stop()
@@ -78,12 +80,12 @@ def test_json_schema_answers_validate_and_equal_the_target_alone(gateways, name)
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
         answers[gw_name] = r
-    assert answers["chain"].choices[0].message.content == \
-        answers["alone"].choices[0].message.content
-    spec = answers["chain"].usage.model_extra["spec_decode"]
-    print(f"{name}: {answers['chain'].choices[0].message.content!r} tau "
-          f"{spec['mean_acceptance_length']}")
-    assert spec["draft_steps"] > 0
+    for drafted in ("chain", "tree"):
+        assert answers[drafted].choices[0].message.content == \
+            answers["alone"].choices[0].message.content, drafted
+        spec = answers[drafted].usage.model_extra["spec_decode"]
+        print(f"{name} {drafted}: tau {spec['mean_acceptance_length']}")
+        assert spec["draft_steps"] > 0
 
 
 def test_streamed_json_equals_the_whole_answer(gateways):

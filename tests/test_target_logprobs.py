@@ -149,9 +149,20 @@ def test_bad_token_masks_are_refused_and_the_sequence_goes_on(client):
     expect_status(lambda: verify([b"\xff" * 4]), bad, "has 4 bytes", f"needs {mask_bytes(VOCAB)}")
     expect_status(lambda: verify([mask_of(set())]), bad, "allows no token")
     expect_status(lambda: verify([mask_of({1})] * 2), bad, "2 masks for a block of 1")
-    expect_status(lambda: verify([mask_of({1})] * 3, [pre.next_token, 4, 5], [0, 0]), bad,
-                  "chains only")
     expect_status(lambda: client.stub.Prefill(target_pb2.PrefillRequest(
         sequence_id="bm2", token_ids=PROMPT, token_mask=b"\x01")), bad, "token mask: a token")
     assert len(verify([]).committed_tokens) == 1                       # still serving
     client.release("bm")
+
+
+def test_token_masks_confine_a_tree(client, reference):
+    """One mask per tree row: the anchor's allows only the second node's token, so the first
+    node (the target's own greedy choice) cannot be committed."""
+    anchor = client.prefill("mt", PROMPT).next_token
+    greedy = int(reference(PROMPT + [anchor])[-1].argmax())
+    other = wrong(greedy)
+    masks = [mask_of({other})] + [mask_of(set(range(VOCAB)))] * 2
+    v = client.stub.Verify(target_pb2.VerifyRequest(
+        sequence_id="mt", token_ids=[anchor, greedy, other], parents=[0, 0], token_masks=masks))
+    assert (v.accepted, v.committed_tokens[0]) == (1, other)
+    client.release("mt")

@@ -45,8 +45,8 @@ class VerifyCall:
     tree: DraftTree | None = None       # the drafts' parents (checked by the servicer);
                                         # None = a chain
     features_consumed: int = 0          # the draft holds positions below this (frees publications)
-    token_masks: tuple[bytes, ...] = () # structured output (chains): one per block row, the
-                                        # tokens allowed after it; () = any
+    token_masks: tuple[bytes, ...] = () # structured output: one per block row, the tokens
+                                        # allowed after it; () = any
 
     @property
     def drafts(self) -> list[int]:

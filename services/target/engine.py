@@ -61,7 +61,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         """tokens [anchor, d1..dn]; tree: their parents, checked by the caller
         (runtime.draft_tree.tree_problem); None or a chain's parents: a chain.
         features_consumed: the draft holds the features of positions below it.
-        token_masks: a chain's allowed tokens per block row (checked by the caller)."""
+        token_masks: the allowed tokens after each block row (checked by the caller)."""
         call = VerifyCall(tokens, tree if tree is not None and not tree.is_chain else None,
                           features_consumed, token_masks)
         return await self._submit(Work("verify", seq_id, call, cost=len(tokens)))

@@ -105,8 +105,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                                   f"(anchor + up to {max_b - 1} drafts)")
         masks = ()
         if request.token_masks:
-            masks = _block_masks(list(request.token_masks), len(ids),
-                                 tree is not None and not tree.is_chain, worker.facts.vocab_size)
+            masks = _block_masks(list(request.token_masks), len(ids), worker.facts.vocab_size)
         result = await engine.verify(seq_id, ids, tree, request.features_consumed, masks)
         return target_pb2.VerifyResponse(
             accepted=result.accepted, committed_tokens=result.committed, seq_len=result.seq_len,
@@ -176,14 +175,11 @@ def _masks(masks: list[bytes], vocab_size: int) -> tuple[bytes, ...]:
     return tuple(masks)
 
 
-def _block_masks(masks: list[bytes], rows: int, tree: bool, vocab_size: int
-                 ) -> tuple[bytes, ...]:
-    """A Verify's token_masks: one per block row, for a chain (tree: the drafts are not one)."""
-    if tree:
-        raise InvalidArgument("token_masks are for chains only: send no parents with them")
+def _block_masks(masks: list[bytes], rows: int, vocab_size: int) -> tuple[bytes, ...]:
+    """A Verify's token_masks: one per block row (the anchor, then each draft or tree node)."""
     if len(masks) != rows:
         raise InvalidArgument(f"token_masks has {len(masks)} masks for a block of {rows} tokens: "
-                              f"one per block row (the anchor and each draft)")
+                              f"one per block row (the anchor and each draft or tree node)")
     return _masks(masks, vocab_size)
 
 
