@@ -45,6 +45,7 @@ class HookFlags:
     hybrid_wrapper: bool = False
     no_mamba_commit: bool = False
     skip_mamba_commit: bool = False
+    fail_cost_calibration: bool = False
 
     def argv(self) -> list[str]:
         """The flags that differ from the defaults, for `python -m dflash.harness ROLE`."""
@@ -67,10 +68,12 @@ class HookFlags:
             warmup_delay_s=self.warmup_delay_s, random_weights=self.random_weights,
             hybrid_wrapper=self.hybrid_wrapper, mamba_commit=not self.no_mamba_commit,
             skip_mamba_commit=self.skip_mamba_commit,
+            fail_cost_calibration=self.fail_cost_calibration,
             forced_acceptance=ForcedAcceptance(self.force_tau) if self.force_tau else None)
 
     def draft_hooks(self) -> ServiceHooks:
-        target_only = ("force_tau", "hybrid_wrapper", "no_mamba_commit", "skip_mamba_commit")
+        target_only = ("force_tau", "hybrid_wrapper", "no_mamba_commit", "skip_mamba_commit",
+                       "fail_cost_calibration")
         used = [k for k in target_only if getattr(self, k) != getattr(HookFlags(), k)]
         if used:
             raise ValueError(f"target-only hooks given to a draft: {sorted(used)}")
@@ -85,6 +88,7 @@ FLAG_HELP = {
     "hybrid_wrapper": "target: wrap a dense model's backend in the hybrid wrapper",
     "no_mamba_commit": "target: a hybrid backend that cannot commit recurrent state",
     "skip_mamba_commit": "target: advertise the mamba commit and skip it (WRONG output)",
+    "fail_cost_calibration": "target: the verify cost calibration fails (start-up goes on)",
 }
 
 

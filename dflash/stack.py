@@ -67,6 +67,9 @@ class StackOptions:
     block_size: int = 0
     spec_disable_batch_size: int = -1  # gateway's; -1 = CPU_SPEC_DISABLE_BATCH for dflash on the CPU, else 0
     spec_tree_nodes: int = -1          # gateway's; -1 = GPU_DFLASH_TREE_NODES for dflash on CUDA, else 0 (chains)
+    # gateway --speculation: auto (sizes chosen every step from measured cost and acceptance),
+    # or fixed (then the CPU_* / GPU_* defaults above apply where the options are left unset)
+    speculation: str = "auto"
     wire: str = ""                     # gateway --wire ("" = its default)
     log_dir: str = ""
     ready_timeout_s: float = 600.0
@@ -173,15 +176,22 @@ class Stack:
         return ["--target", f"{o.host}:{o.target_port}",
                 "--draft", f"{o.host}:{o.draft_port}" if o.drafter != "none" else "",
                 "--tokenizer", self.model_dir, "--port", port, "--http-port", http_port,
-                "--host", o.host, "--block-size", self.verify_block(),
+                "--host", o.host, "--speculation", o.speculation,
+                "--block-size", self.verify_block(),
                 "--spec-disable-batch-size", self.spec_disable_batch(),
                 "--spec-tree-nodes", self.tree_nodes(),
                 *(("--wire", o.wire) if o.wire else ()), *o.gateway_args, *extra]
 
     @property
     def dflash_on_cpu(self) -> bool:
-        """A DFlash drafter on the CPU: the case that takes the CPU_* gateway defaults."""
-        return self.opts.drafter == "dflash" and self.opts.device == "cpu"
+        """A DFlash drafter on the CPU: the case that takes the CPU_* gateway defaults (with
+        --speculation fixed; auto measures instead)."""
+        return self.opts.drafter == "dflash" and self.opts.device == "cpu" and self.fixed
+
+    @property
+    def fixed(self) -> bool:
+        """Speculation sizes by flags and these defaults, not chosen by the gateway."""
+        return self.opts.speculation != "auto"
 
     def verify_block(self) -> int:
         """The gateway's default verify block: --block-size, else CPU_DFLASH_BLOCK for a DFlash
@@ -195,14 +205,16 @@ class Stack:
         on the CPU, else the target's dtype."""
         if self.opts.draft_dtype:
             return self.opts.draft_dtype
-        return CPU_DFLASH_DRAFT_DTYPE if self.dflash_on_cpu else self.opts.dtype
+        on_cpu = self.opts.drafter == "dflash" and self.opts.device == "cpu"
+        return CPU_DFLASH_DRAFT_DTYPE if on_cpu else self.opts.dtype
 
     def tree_nodes(self) -> int:
         """The gateway's --spec-tree-nodes: the option, else GPU_DFLASH_TREE_NODES for a DFlash
         drafter on a GPU, else 0 (chains)."""
         if self.opts.spec_tree_nodes >= 0:
             return self.opts.spec_tree_nodes
-        gpu = self.opts.drafter == "dflash" and self.opts.device.startswith("cuda")
+        gpu = (self.opts.drafter == "dflash" and self.opts.device.startswith("cuda")
+               and self.fixed)
         return GPU_DFLASH_TREE_NODES if gpu else 0
 
     def spec_disable_batch(self) -> int:

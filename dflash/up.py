@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"greedy requests verify a tree of this many drafts per step instead of "
                         f"a chain (gateway --spec-tree-nodes; -1 = {GPU_DFLASH_TREE_NODES} for "
                         f"dflash on a GPU, else 0 = chains)")
+    p.add_argument("--speculation", default=d.speculation,
+                   help="gateway --speculation: auto (each step's chain length or tree size, or "
+                        "no drafting, chosen from measured cost and acceptance), fixed (the "
+                        "block and tree defaults below), or a fixed verify block N")
     p.add_argument("--wire", default="", choices=("unary", "stream"),
                    help="gateway --wire: Propose/Verify as unary RPCs or on one stream per "
                         "upstream (default: the gateway's)")
@@ -69,7 +73,7 @@ def options_from_args(args: argparse.Namespace, **overrides) -> StackOptions:
         draft_dtype=args.draft_dtype,
         drafter=args.drafter, draft_model=args.draft_model, block_size=args.block_size,
         spec_disable_batch_size=args.spec_disable_batch_size,
-        spec_tree_nodes=args.spec_tree_nodes, wire=args.wire, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout,
+        spec_tree_nodes=args.spec_tree_nodes, speculation=args.speculation, wire=args.wire, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout,
         device=args.device, attention_backend=args.attention_backend,
         gateway_args=_admission_args(args), **overrides)
 

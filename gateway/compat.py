@@ -15,7 +15,8 @@ class Decision:
     notes: list[str] = field(default_factory=list)      # adjustments worth a log line
     block_size: int = 1                                  # default verify block (anchor + drafts)
     max_block_size: int = 1
-    tree_nodes: int = 0                                  # greedy requests' tree size (0 = chains)
+    tree_nodes: int = 0                                  # requests' fixed tree size (0 = chains)
+    max_tree_nodes: int = 0                              # the largest tree both sides take
 
     @property
     def ok(self) -> bool:
@@ -54,12 +55,13 @@ def check_pair(target: target_pb2.TargetCapabilities, draft: draft_pb2.DraftCapa
         notes.append(f"block size {block} clamped to {max_block} (target max_block_size "
                      f"{target.max_block_size}, draft max_block_size {draft.max_block_size})")
         block = max_block
-    tree = min(requested_tree, target.max_tree_nodes, draft.max_tree_nodes)
+    max_tree = min(target.max_tree_nodes, draft.max_tree_nodes)
+    tree = min(requested_tree, max_tree)
     if tree < requested_tree:
         notes.append(f"tree of {requested_tree} drafts clamped to {tree} (target max_tree_nodes "
                      f"{target.max_tree_nodes}, draft max_tree_nodes {draft.max_tree_nodes}; "
                      f"0 = chains)")
-    return Decision(problems, notes, max(1, block), max(1, max_block), tree)
+    return Decision(problems, notes, max(1, block), max(1, max_block), tree, max_tree)
 
 
 def autoregressive(target: target_pb2.TargetCapabilities) -> Decision:

@@ -14,6 +14,7 @@ MiB = 1024 * 1024
 WIRES = ("unary", "stream")
 DEFAULT_WIRE = "stream"
 LOGPROBS_MODES = ("raw", "processed")
+SPECULATION_MODES = ("auto", "fixed")   # or a number: a fixed verify block of that many tokens
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class GatewayConfig:
     block_size: int = 0                  # default verify block; 0 = the draft's trained block size
     spec_disable_batch_size: int = 0     # above this many running requests: no drafting (0 = never)
     spec_tree_nodes: int = 0             # a tree of this many drafts (0 = a chain)
+    # auto: each step's chain length or tree size chosen from measured cost and acceptance
+    # (gateway/speculation_policy.py); fixed: --block-size / --spec-tree-nodes (or the draft's
+    # block); N: a fixed verify block of N tokens. --block-size or --spec-tree-nodes set: fixed
+    speculation: str = "auto"
     logprobs_mode: str = "raw"           # OpenAI logprobs: "raw" | "processed" (runtime/logprobs.py)
     model_name: str = ""                 # name served on the API; "" = the target's model_id
     startup_timeout_s: float = 600.0     # target SERVING + compatible within this, else exit 1 (0 = wait forever)
@@ -78,6 +83,11 @@ class GatewayConfig:
         if self.spec_tree_nodes < 0:
             raise ValueError(f"--spec-tree-nodes must be >= 0 (0 = chains), got "
                              f"{self.spec_tree_nodes}")
+        if self.speculation not in SPECULATION_MODES and not (
+                self.speculation.isdigit() and int(self.speculation) >= 1):
+            raise ValueError(f"--speculation {self.speculation!r}: allowed auto (sizes chosen "
+                             f"every step), fixed (--block-size, --spec-tree-nodes), or a verify "
+                             f"block size >= 1 (1 = no drafting)")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"--logprobs-mode {self.logprobs_mode!r}: allowed "
                              f"{list(LOGPROBS_MODES)}")
@@ -87,6 +97,16 @@ class GatewayConfig:
         if min(self.max_prompt_tokens, self.max_tokens_limit) < 0 or self.max_request_bytes < 1024:
             raise ValueError("--max-prompt-tokens and --max-tokens-limit must be >= 0 (0 = the "
                              "context) and --max-request-bytes >= 1KiB")
+
+    @property
+    def auto_speculation(self) -> bool:
+        """--speculation auto, not overridden by a fixed --block-size or --spec-tree-nodes."""
+        return self.speculation == "auto" and not self.block_size and not self.spec_tree_nodes
+
+    @property
+    def fixed_block(self) -> int:
+        """The verify block asked for: --speculation N, else --block-size (0 = the draft's)."""
+        return int(self.speculation) if self.speculation.isdigit() else self.block_size
 
     @property
     def max_message_bytes(self) -> int:
@@ -109,6 +129,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               "the target verifies it in one forward (greedy and sampled requests alike: both "
               "stay exact); 0 = a chain of block - 1 drafts. "
               "Clamped to what the target and draft allow")
+    flags.add(p, "--speculation", "auto", str, "auto: each step, every request's chain length or "
+              "tree size (or no drafting) chosen for the most committed tokens per second of the "
+              "batch, from the target's measured verify cost and each request's acceptance; "
+              "fixed: --block-size and --spec-tree-nodes (which also override auto when set); "
+              "N: a fixed verify block of N tokens")
     flags.add(p, "--logprobs-mode", "raw", str, "OpenAI logprobs from the model's raw "
               "distribution (raw, as vLLM's raw_logprobs) or from the one tokens are drawn from, "
               "after temperature, top-k/p, min_tokens and structured-output masks (processed)")
@@ -157,7 +182,8 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         target=args.target, tokenizer_dir=args.tokenizer, draft=args.draft, host=args.host,
         port=args.port, http_port=args.http_port, block_size=args.block_size,
         spec_disable_batch_size=args.spec_disable_batch_size,
-        spec_tree_nodes=args.spec_tree_nodes, logprobs_mode=args.logprobs_mode,
+        spec_tree_nodes=args.spec_tree_nodes, speculation=args.speculation,
+        logprobs_mode=args.logprobs_mode,
         model_name=args.model_name, startup_timeout_s=args.startup_timeout,
         backoff_initial_s=args.backoff_initial, backoff_max_s=args.backoff_max,
         prefill_timeout_s=args.prefill_timeout, step_timeout_s=args.step_timeout, wire=args.wire,

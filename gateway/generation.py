@@ -28,6 +28,7 @@ from gateway.feed import answer_chunk, chunk_nbytes
 from gateway.grammar import GrammarMatcher
 from gateway.output import OutputProcessor
 from gateway.request import GenerationRequest
+from gateway.speculation_policy import Limits, Shape, SpeculationPolicy
 from gateway.state import GatewayState, Speculation
 from gateway.target_link import Context, ProposalRefused, Rebuilds, TargetLink
 from gateway.telemetry import RequestTelemetry
@@ -83,7 +84,9 @@ class Generation:
         self.usage = Usage(prompt_tokens=len(req.prompt_ids))
         self.telemetry = RequestTelemetry(state.metrics_model, arrival)
         rebuilds = Rebuilds()
-        self.target = TargetLink(state, f"gw-{uuid.uuid4().hex[:24]}", req, rebuilds,
+        self.key = f"gw-{uuid.uuid4().hex[:24]}"
+        self.acceptance = state.policy.model()   # --speculation auto: this request's acceptance
+        self.target = TargetLink(state, self.key, req, rebuilds,
                                  self.context, lambda: self.draft.capture())
         self.draft = DraftLink(state, self.target, rebuilds)
 
@@ -124,10 +127,10 @@ class Generation:
 
     async def _step(self) -> Event:
         spec = self.state.speculation()
-        block = self._block_size(spec)
+        policy = self.state.speculation_policy()
+        block, nodes, shape = self._shape(spec, policy)
         anchor = self.out.output[-1]
         t0 = time.perf_counter()
-        nodes = spec.tree_for(self._room() - 1)
         drafts = await self.draft.propose(spec, block, nodes, anchor) if block > 1 else NO_DRAFTS
         drafts, masks = await self._constrained(drafts)
         t1 = time.perf_counter()
@@ -150,7 +153,35 @@ class Generation:
         self.usage.record_step(n, resp.accepted)
         event = self._deliver(committed, resp.accepted, list(resp.logprobs))
         self.telemetry.step(t1 - t0 if block > 1 else None, t2 - t1, n, resp.accepted)
+        if policy is not None:
+            self._learn(policy, shape, drafts, resp, t1 - t0 if block > 1 else None, t2 - t1)
         return event
+
+    def _shape(self, spec: Speculation, policy: SpeculationPolicy | None
+               ) -> tuple[int, int, Shape | None]:
+        """This step's (verify block, tree nodes; 0 = a chain, and the auto choice). Fixed:
+        the block and tree size configured (or asked by the request); auto: the policy's choice
+        within them."""
+        block, room = self._block_size(spec), self._room()
+        if policy is None or self.req.block_size:
+            return block, spec.tree_for(room - 1), None
+        limits = Limits(max_chain=block - 1, tree_depth=block - 1,
+                        max_tree=min(spec.max_tree_nodes, room - 1) if block > 1 else 0)
+        shape = policy.decide(self.key, self.acceptance, limits, self.admission.running)
+        policy.record(self.state.metrics_model, shape)
+        return (block, shape.drafts, shape) if shape.tree else (shape.tokens, 0, shape)
+
+    def _learn(self, policy: SpeculationPolicy, shape: Shape | None, drafts: DraftTree,
+               resp, propose_s: float | None, verify_s: float) -> None:
+        """--speculation auto: what this step says about acceptance and cost."""
+        if shape is not None and drafts.tokens:
+            depth = len(drafts.tokens) if drafts.is_chain else max(drafts.depths)
+            policy.observe(self.acceptance, shape, depth, resp.accepted)
+        policy.cost.observe_verify(resp.batch_tokens, resp.batch_seconds, verify_s,
+                                   resp.queue_seconds)
+        if propose_s is not None and drafts.tokens:
+            policy.cost.observe_propose(propose_s)
+        policy.cost.export(self.state.metrics_model)
 
     async def _constrained(self, drafts: DraftTree) -> tuple[DraftTree, list[bytes] | None]:
         """Structured output: the drafts the grammar allows (a chain cut before its first
@@ -195,6 +226,7 @@ class Generation:
                      logprobs[: len(d.token_ids)])
 
     async def _release(self) -> None:
+        self.state.policy.forget(self.key)
         await asyncio.gather(self.target.release(), self.draft.release())
 
 

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from dflash.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from gateway import compat
 from gateway.config import GatewayConfig
+from gateway.cost_model import CostModel
 from gateway.grammar import GrammarCompiler
 from gateway.planes import PlaneChoice
+from gateway.speculation_policy import SpeculationPolicy
 from gateway.upstream import Upstream
 from runtime.tokenizer import ChatTokenizer, tokenizer_fingerprint
 from services.common import metrics
@@ -35,6 +37,7 @@ class Speculation:
     max_block_size: int
     generation: int                  # the draft's capabilities generation (changes on restart)
     tree_nodes: int = 0              # drafts per tree (0 = a chain)
+    max_tree_nodes: int = 0          # the largest tree the pair takes (--speculation auto)
 
     @property
     def capture_layers(self) -> list[int]:
@@ -75,6 +78,8 @@ class GatewayState:
         self.closing = False             # SIGTERM: never ready again
         self.ready_event = asyncio.Event()
         self.upstreams_event = asyncio.Event()   # upstreams usable (also while closing)
+        self.policy = SpeculationPolicy()   # --speculation auto (gateway/speculation_policy.py)
+        self._policy_curve: tuple[tuple[int, float], ...] | None = None
         self._grammars: GrammarCompiler | None = None    # built at the first structured request
         self._grammars_lock = asyncio.Lock()
         self._published: bool | None = None
@@ -117,9 +122,28 @@ class GatewayState:
         if self.draft_ok and self.draft is not None:
             d = self.decision
             return Speculation(self.draft.capabilities, d.block_size, d.max_block_size,
-                               self.draft.generation, d.tree_nodes)
+                               self.draft.generation, d.tree_nodes, d.max_tree_nodes)
         caps = self.target_caps
         return Speculation(None, 1, caps.max_block_size if caps else 1, 0)
+
+    def speculation_policy(self) -> SpeculationPolicy | None:
+        """--speculation auto's policy on the target's cost curve; None = fixed speculation
+        (configured so, or the target reports no curve: warned once per target)."""
+        caps = self.target_caps
+        if not self.config.auto_speculation or caps is None:
+            return None
+        curve = tuple((p.tokens, p.seconds) for p in caps.verify_cost)
+        if curve != self._policy_curve:
+            self._policy_curve = curve
+            self.policy.cost = CostModel(curve)
+            if curve:
+                log.info("speculation auto: verify cost curve from the target", extra={
+                    "curve_ms": " ".join(f"{t}:{s * 1e3:.2f}" for t, s in curve)})
+            else:
+                log.warning("speculation auto: the target reports no verify cost curve (its "
+                            "--cost-calibration-s is 0 or its calibration failed); fixed "
+                            "speculation (--block-size, --spec-tree-nodes) until it does")
+        return self.policy if self.policy.usable else None
 
     def known_draft(self) -> draft_pb2.DraftCapabilities | None:
         """The draft's last known capabilities when they fit the target (for feature capture
@@ -180,7 +204,7 @@ class GatewayState:
             self.decision, self.draft_ok = compat.autoregressive(tcaps), False
             return True, "serving (autoregressive: no draft configured)"
         if d.serving and d.capabilities is not None:
-            decision = compat.check_pair(tcaps, d.capabilities, self.config.block_size,
+            decision = compat.check_pair(tcaps, d.capabilities, self.config.fixed_block,
                                          self.config.spec_tree_nodes)
             if decision != self.decision:
                 for note in decision.notes:

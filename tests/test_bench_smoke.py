@@ -140,6 +140,14 @@ def smollm2_gpu(d: dict) -> None:
             assert s["identical_to_transformers"] == s["identical_to_our_ar"] == 2
 
 
+def adaptive_cpu(d: dict) -> None:
+    assert d["levels"] == [1, 2]
+    configs = {r["config"] for r in d["rows"]}
+    assert configs == {"autoregressive", "chain 4", "tree 7", "auto"}
+    positive(*(r["tokens_per_s"] for r in d["rows"]))
+    assert [s["concurrency"] for s in d["summary"]] == [1, 2]
+
+
 def spec_load_cpu(d: dict) -> None:
     assert len(d["configs"]) == 2 and d["levels"] == [1, 2]
     for rows in d["configs"].values():
@@ -214,6 +222,7 @@ class Bench:
 
 
 BENCHES = [
+    Bench("adaptive_cpu", adaptive_cpu, "## Adaptive speculation (CPU)"),
     Bench("anchor_positions", anchor_positions),
     Bench("cpu_gemm", cpu_gemm, "## CPU compute: GEMM and threads"),
     Bench("draft_cpu", draft_cpu),

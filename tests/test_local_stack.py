@@ -230,15 +230,37 @@ def test_target_graphs_capture_the_drafter_layers(tmp_path):
     assert "--graph-capture-layers" not in {a for c in none.plan() for a in c.argv}
 
 
+def gateway_flag(tmp_path, flag: str, **options) -> str:
+    from dflash.prepare.smollm2 import prepare_smollm2
+    from dflash.stack import Stack, StackOptions
+    model = str(prepare_smollm2(["float32"], progress=False)["float32"])
+    stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), **options))
+    argv = {c.name: c.argv for c in stack.plan()}["gateway"]
+    return str(argv[argv.index(flag) + 1])
+
+
+def test_speculation_is_auto_by_default_with_no_fixed_sizes(tmp_path):
+    """`dflash up` leaves the sizes to the gateway's --speculation auto (block 0, no tree, no
+    batch limit); fixed (or a number) brings back the device defaults below."""
+    assert gateway_flag(tmp_path, "--speculation") == "auto"
+    for flag in ("--block-size", "--spec-disable-batch-size", "--spec-tree-nodes"):
+        assert gateway_flag(tmp_path, flag) == "0"
+        assert gateway_flag(tmp_path, flag, device="cuda", attention_backend="triton") == "0"
+    assert gateway_flag(tmp_path, "--speculation", speculation="fixed") == "fixed"
+    assert gateway_flag(tmp_path, "--block-size", speculation="fixed") == "4"
+
+
 def test_verify_block_defaults_to_the_cpu_block_for_dflash_on_the_cpu(tmp_path):
-    """--block-size 0: a DFlash stack on the CPU verifies CPU_DFLASH_BLOCK tokens, on a GPU the
-    drafter's trained block (gateway 0); an explicit --block-size always wins."""
+    """--speculation fixed, --block-size 0: a DFlash stack on the CPU verifies CPU_DFLASH_BLOCK
+    tokens, on a GPU the drafter's trained block (gateway 0); an explicit --block-size always
+    wins."""
     from dflash.prepare.smollm2 import prepare_smollm2
     from dflash.stack import CPU_DFLASH_BLOCK, Stack, StackOptions
     model = str(prepare_smollm2(["float32"], progress=False)["float32"])
 
     def gateway_block(**options) -> int:
-        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), **options))
+        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), speculation="fixed",
+                                   **options))
         argv = {c.name: c.argv for c in stack.plan()}["gateway"]
         return int(argv[argv.index("--block-size") + 1])
 
@@ -250,14 +272,15 @@ def test_verify_block_defaults_to_the_cpu_block_for_dflash_on_the_cpu(tmp_path):
 
 
 def test_drafting_stops_above_a_batch_size_by_default_on_the_cpu(tmp_path):
-    """--spec-disable-batch-size -1: CPU_SPEC_DISABLE_BATCH for dflash on the CPU, else 0 (always
-    draft); an explicit value always wins."""
+    """--speculation fixed, --spec-disable-batch-size -1: CPU_SPEC_DISABLE_BATCH for dflash on
+    the CPU, else 0 (always draft); an explicit value always wins."""
     from dflash.prepare.smollm2 import prepare_smollm2
     from dflash.stack import CPU_SPEC_DISABLE_BATCH, Stack, StackOptions
     model = str(prepare_smollm2(["float32"], progress=False)["float32"])
 
     def limit(**options) -> int:
-        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), **options))
+        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), speculation="fixed",
+                                   **options))
         argv = {c.name: c.argv for c in stack.plan()}["gateway"]
         return int(argv[argv.index("--spec-disable-batch-size") + 1])
 
@@ -269,14 +292,16 @@ def test_drafting_stops_above_a_batch_size_by_default_on_the_cpu(tmp_path):
 
 
 def test_trees_by_default_for_dflash_on_a_gpu(tmp_path):
-    """--spec-tree-nodes -1: GPU_DFLASH_TREE_NODES for dflash on CUDA (measured to pay at 1, 8
-    and 32 requests in flight), else 0 (chains); an explicit value always wins."""
+    """--speculation fixed, --spec-tree-nodes -1: GPU_DFLASH_TREE_NODES for dflash on CUDA
+    (measured to pay at 1, 8 and 32 requests in flight), else 0 (chains); an explicit value
+    always wins."""
     from dflash.prepare.smollm2 import prepare_smollm2
     from dflash.stack import GPU_DFLASH_TREE_NODES, Stack, StackOptions
     model = str(prepare_smollm2(["float32"], progress=False)["float32"])
 
     def nodes(**options) -> int:
-        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), **options))
+        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), speculation="fixed",
+                                   **options))
         argv = {c.name: c.argv for c in stack.plan()}["gateway"]
         return int(argv[argv.index("--spec-tree-nodes") + 1])
 

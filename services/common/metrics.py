@@ -64,10 +64,21 @@ UPSTREAM_ERRORS = Counter("dflash_upstream_errors", "Errors of gateway calls to 
 FORWARD_SECONDS = Histogram("dflash_forward_seconds", "Engine forward time per iteration",
                             L + ["service"], buckets=LATENCY_BUCKETS)
 FORWARD_TOKENS = Counter("dflash_forward_tokens", "Tokens put through the model", L + ["service"])
+VERIFY_COST = Gauge("dflash_verify_cost_seconds", "Target: forward time of a verify batch of "
+                    "this many tokens, measured at warm-up (the gateway's cost model)",
+                    L + ["service", "tokens"])
+SPEC_CHOSEN = Histogram("dflash_spec_verify_tokens_chosen", "Gateway: verify size chosen per step "
+                        "(anchor + drafts; 1 = no drafting) by shape (chain or tree)",
+                        L + ["shape"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
+SPEC_COST = Gauge("dflash_spec_cost_seconds", "Gateway's cost model now: verify of 1 token "
+                  "(verify_1), each further token (verify_per_token), a Propose (propose), the "
+                  "rest of a step (overhead)", L + ["component"])
 HTTP_REQUESTS = Counter("dflash_http_requests", "Gateway HTTP API requests by route and status",
                         L + ["path", "status"])
 
 STAGES = ("draft", "verify", "gateway")                              # dflash_step_seconds{stage}
+SHAPES = ("chain", "tree")                                           # ..._verify_tokens_chosen{shape}
+COST_COMPONENTS = ("verify_1", "verify_per_token", "propose", "overhead")   # dflash_spec_cost_seconds
 FINISH_REASONS = ("stop", "length", "abort", "error")                # ..._success{finished_reason}
 UPSTREAMS = ("target", "draft")
 UPSTREAM_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")                # the usual ones, at 0 from start
@@ -91,6 +102,7 @@ EXPORTS: dict[str, Exports] = {
                   PROMPT_TOKENS, GENERATION_TOKENS),
         by_service=(RUNNING, WAITING),
         by_values=((STEP, tuple((stage,) for stage in STAGES)),
+                   (SPEC_CHOSEN, tuple((shape,) for shape in SHAPES)),
                    (REQUEST_SUCCESS, tuple((reason,) for reason in FINISH_REASONS)),
                    (UPSTREAM_ERRORS, tuple((up, code) for up in UPSTREAMS
                                            for code in UPSTREAM_CODES)))),

@@ -12,6 +12,7 @@ from runtime.config import default_model_id
 from runtime.sampling import SamplingConfig
 from services.common import bootstrap, flags
 from services.common.service_flags import add_model_service_flags, check_server_tls
+from services.target import cost_calibration
 from services.target import servicer as target_servicer
 from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               "CUDA, shm, and stream; the gateway takes the first the draft reaches) | shm (this "
               "host) | cuda-ipc (this GPU) | stream (pushed to a draft on another host over "
               "Target.FeatureStream) | off (always in messages)")
+    flags.add(p, "--cost-calibration-s", 1.5, float, "start-up seconds at most spent measuring the "
+              "verify time by batch size, reported in the capabilities for the gateway's "
+              "--speculation auto (0 = off: the gateway then uses fixed speculation)")
     flags.add(p, "--feature-plane-mib", 512, int, "size of each feature plane (full: features "
               "go in messages)")
     args = p.parse_args(argv)
@@ -70,7 +74,8 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         cuda_graphs=not args.no_cuda_graphs, graph_block_sizes=args.graph_block_sizes,
         graph_tree_sizes=args.graph_tree_sizes, graph_capture_layers=args.graph_capture_layers,
         verify_state_slots=args.verify_state_slots, cpu_gemm=args.cpu_gemm,
-        feature_plane=args.feature_plane, feature_plane_mib=args.feature_plane_mib)
+        feature_plane=args.feature_plane, feature_plane_mib=args.feature_plane_mib,
+        cost_calibration_s=args.cost_calibration_s)
 
 
 async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:
@@ -106,6 +111,8 @@ def service(args: argparse.Namespace, hooks: TargetHooks) -> bootstrap.ModelServ
         await engine.on_engine_thread(worker.calibrate_cpu_gemm)   # --cpu-gemm auto, CPU
         await bootstrap.stage(worker.capture_cuda_graphs)      # before SERVING: readiness waits
         await warmup(engine, worker)
+        worker.verify_cost = await cost_calibration.calibrate(engine, worker,
+                                                              config.cost_calibration_s)
         worker.mark_ready()
         return engine
 

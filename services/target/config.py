@@ -37,6 +37,9 @@ class TargetConfig:
     # defaults to auto, in-process users (training, benchmarks) need no plane
     feature_plane: str = "off"
     feature_plane_mib: int = 512       # size of each feature plane
+    # seconds of start-up spent measuring the verify cost curve for the gateway's --speculation
+    # auto (services/target/cost_calibration.py); 0 = off (in-process users need none)
+    cost_calibration_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_block_size < 1 or self.token_budget < self.max_block_size:

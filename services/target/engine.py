@@ -98,7 +98,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
 
     @torch.inference_mode()           # acceptance edits the (inference-mode) logits in place
     def _run(self, plan: BatchPlan) -> None:
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.monotonic()
         items = [p.item for p in plan.parts]
         out = self.worker.forward(
             plan.slices, torch.tensor(plan.ids), torch.tensor(plan.positions), plan.capture,
@@ -112,6 +112,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
             plan.suppress_stop_tokens(logits, list(self.worker.facts.eos_token_ids))
             self._poison(plan, logits)
         decided = self._decide(plan, logits)
+        forward_s = time.perf_counter() - t0      # the read-back synchronised the device
         parts = [p for p, d in zip(plan.parts, decided) if not self._failed(p.item, d)]
         decided = [d for d in decided if not d.failed]
         accepted = [self._accept(p.item, d) if p.item.is_verify else None
@@ -122,8 +123,9 @@ class TargetEngine(SequenceEngine[TargetSequence]):
             if acc is None:
                 self._prefill_chunk_done(part.item, f, d.token, lp[0] if lp else None)
             else:
-                self._answer(part.item.work, VerifyResult(acc.accepted, acc.tokens, _ref(f),
-                                                          part.item.seq.seq_len, lp))
+                self._answer(part.item.work, VerifyResult(
+                    acc.accepted, acc.tokens, _ref(f), part.item.seq.seq_len, lp,
+                    len(plan.ids), forward_s, max(0.0, started - part.item.work.enqueued_at)))
         self._commit_mamba_states(parts, accepted)
         self.stats.record_forward(len(items), len(plan.ids), time.perf_counter() - t0)
 

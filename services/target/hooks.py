@@ -23,6 +23,8 @@ class TargetHooks(ServiceHooks):
                                        # verify (the output is NOT the target's; speed only)
     nan_logits_for: str = ""           # tests: sequences whose id starts with this get NaN
                                        # logits (per-sequence failure isolation)
+    fail_cost_calibration: bool = False   # tests: the warm-up verify cost calibration raises
+                                       # (the service must start anyway, with no cost curve)
     pad_verify_to: tuple[int, ...] = ()   # tests: pad chain verify blocks as if CUDA graphs of
                                        # these sizes were captured (the padding runs on the CPU)
 

@@ -110,7 +110,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         return target_pb2.VerifyResponse(
             accepted=result.accepted, committed_tokens=result.committed, seq_len=result.seq_len,
             **_features(result.features),
-            logprobs=[_logprobs_pb(lp) for lp in result.logprobs or ()])
+            logprobs=[_logprobs_pb(lp) for lp in result.logprobs or ()],
+            batch_tokens=result.batch_tokens, batch_seconds=result.batch_seconds,
+            queue_seconds=result.queue_seconds)
 
     @rpc
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
@@ -215,7 +217,9 @@ def capabilities(worker: TargetWorker, planes: Sequence[PlaneInfo] = ()
         state_slots_total=worker.state_pool.num_slots if worker.state_pool is not None else 0,
         feature_dtypes=sorted(tensor_codec.WIRE_DTYPES), lease_seconds=int(cfg.lease_seconds),
         max_tree_nodes=worker.max_tree_nodes,
-        feature_planes=[p.to_pb() for p in planes])
+        feature_planes=[p.to_pb() for p in planes],
+        verify_cost=[target_pb2.CostPoint(tokens=p.tokens, seconds=p.seconds)
+                     for p in worker.verify_cost])
 
 
 def add_to_server(servicer: TargetServicer, server: grpc.aio.Server) -> list[str]:

@@ -74,6 +74,8 @@ class TargetWorker:
         self._need_mamba_verify_commit: bool | None = None
         self._graphs: dict[tuple[int, tuple[int, ...]], object] = {}
         self._tree_graphs: dict[tuple[int, tuple[int, ...]], object] = {}
+        self.verify_cost: tuple = ()    # (tokens, seconds) points measured at warm-up
+                                        # (services/target/cost_calibration.py); () = none
         self.stage = "loaded"
         log.info("weights loaded", extra={"model": self.facts.model_id,
                                           "seconds": round(time.monotonic() - t0, 2)})

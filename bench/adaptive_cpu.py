@@ -1,0 +1,229 @@
+"""python -m bench.adaptive_cpu: `--speculation auto` against every fixed choice, on this CPU.
+
+One target and one draft (SmolLM2-135M-Instruct fp32 and the shipped DFlash drafter, as
+`dflash up` runs them) and one gateway per configuration on them: autoregressive
+(`--speculation 1`), every fixed chain (`--speculation B`, a verify block of B), every fixed tree
+(`--speculation fixed --spec-tree-nodes N`) and auto. At each concurrency the configurations
+take turns (--rounds times, the median kept), each running the same greedy requests through its
+gateway's gRPC API; every configuration's output must be token-identical to the
+autoregressive one's (speculation never changes greedy output). The goal (issue 33): auto >=
+0.95x the best configuration at every level, and never below autoregressive.
+
+Writes bench/results/adaptive_cpu.json, docs/adaptive_cpu.png and the "Adaptive speculation
+(CPU)" section of docs/benchmarks.md. --tiny: autoregressive, one chain, one tree and auto at 1
+and 2 requests, 8 tokens (a smoke test; outputs default to a temporary folder)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+
+from bench.gateway_cpu import CHATS, COPY_TASKS, Services, free_port
+from bench.report import add_output_flags, machine, render_only, save
+from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
+from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+SECTION = "## Adaptive speculation (CPU)"
+LEVELS = (1, 2, 4, 8)
+CHAINS = (2, 3, 4, 5, 6, 8, 10, 12, 16)
+TREES = (7, 15, 63)
+AUTO, AR = "auto", "autoregressive"
+
+
+def configs(chains: tuple[int, ...], trees: tuple[int, ...]) -> dict[str, list[str]]:
+    """label -> the gateway's extra flags."""
+    out = {AR: ["--speculation", "1"]}
+    out.update({f"chain {b}": ["--speculation", str(b)] for b in chains})
+    out.update({f"tree {n}": ["--speculation", "fixed", "--spec-tree-nodes", str(n)]
+                for n in trees})
+    out[AUTO] = ["--speculation", "auto"]
+    return out
+
+
+async def run(address: str, prompts: list[list[int]], concurrency: int, max_tokens: int
+              ) -> tuple[list[list[int]], float]:
+    """Every prompt once, `concurrency` in flight, greedy; (outputs in prompt order, seconds)."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    todo = list(range(len(prompts)))
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+
+        async def worker() -> None:
+            while todo:
+                i = todo.pop(0)
+                req = gateway_pb2.GenerateRequest(
+                    token_ids=gateway_pb2.TokenIds(ids=prompts[i]), max_tokens=max_tokens,
+                    ignore_eos=True, sampling=common_pb2.SamplingParams(temperature=0))
+                async for r in stub.Generate(req, timeout=1800):
+                    outputs[i] += list(r.token_ids)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return outputs, time.perf_counter() - t0
+
+
+def wait_ready(http_port: int, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readiness", timeout=5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gateway on :{http_port} not ready within {timeout} s")
+            time.sleep(0.5)
+
+
+def measure(args: argparse.Namespace, svc: Services, prompts: list[list[int]],
+            labels: dict[str, list[str]], levels: tuple[int, ...]) -> dict:
+    gateways = {}
+    for label, extra in labels.items():
+        port, http = free_port(), free_port()
+        svc.stack.add_gateway("gateway-" + label.replace(" ", "-"), port, http, *extra)
+        gateways[label] = (port, http)
+    for port, http in gateways.values():
+        wait_ready(http)
+    for port, _ in gateways.values():                                   # warm-up (auto learns)
+        asyncio.run(run(f"127.0.0.1:{port}", prompts[:2], 2, args.max_tokens))
+    rows, reference = [], None
+    for c in levels:
+        batch = [prompts[i % len(prompts)] for i in range(max(c, args.min_requests))]
+        times: dict[str, list[float]] = {k: [] for k in labels}
+        for _ in range(args.rounds):
+            for label, (port, _) in gateways.items():
+                outputs, seconds = asyncio.run(run(f"127.0.0.1:{port}", batch, c, args.max_tokens))
+                if label == AR:
+                    reference = outputs
+                elif outputs != reference:
+                    raise AssertionError(f"{label} at {c} requests: output differs from the "
+                                         f"autoregressive one")
+                times[label].append(seconds)
+        tokens = len(batch) * args.max_tokens
+        for label, ts in times.items():
+            rows.append({"config": label, "concurrency": c, "requests": len(batch),
+                         "tokens": tokens, "seconds": [round(t, 3) for t in ts],
+                         "tokens_per_s": round(tokens / statistics.median(ts), 2)})
+            print(rows[-1], flush=True)
+    return {"rows": rows, "summary": summary(rows, levels)}
+
+
+def summary(rows: list[dict], levels: tuple[int, ...]) -> list[dict]:
+    out = []
+    for c in levels:
+        at = {r["config"]: r["tokens_per_s"] for r in rows if r["concurrency"] == c}
+        fixed = {k: v for k, v in at.items() if k != AUTO}
+        best = max(fixed, key=fixed.get)
+        out.append({"concurrency": c, "auto": at[AUTO], "best": best, "best_tokens_per_s":
+                    fixed[best], "autoregressive": at[AR],
+                    "auto_vs_best": round(at[AUTO] / fixed[best], 3),
+                    "auto_vs_autoregressive": round(at[AUTO] / at[AR], 3),
+                    "met": at[AUTO] >= 0.95 * fixed[best] and at[AUTO] >= at[AR]})
+    return out
+
+
+def markdown(r: dict) -> str:
+    m, levels = r["machine"], r["levels"]
+    lines = [SECTION, "",
+             (f"`{r['command']}` (results: `bench/results/adaptive_cpu.json`, plot: "
+              f"`docs/adaptive_cpu.png`). Machine: {m['cpu']}, {m['cores']} cores, torch "
+              f"{m['torch']}; {r['date']}. Output tokens/s over {r['requests_min']}+ greedy "
+              f"requests of {r['max_tokens']} tokens (EOS ignored) per level through each "
+              f"configuration's own gateway on one target + draft (SmolLM2-135M-Instruct fp32, "
+              f"the shipped drafter), median of {r['rounds']} interleaved rounds; every output "
+              f"token-identical to the autoregressive one."), "",
+             "| configuration | " + " | ".join(f"{c} at once" for c in levels) + " |",
+             "|---|" + "---|" * len(levels)]
+    by = {(row["config"], row["concurrency"]): row["tokens_per_s"] for row in r["rows"]}
+    for label in dict.fromkeys(row["config"] for row in r["rows"]):
+        cells = [f"{by[label, c]:.1f}" for c in levels]
+        lines.append(f"| {'**auto**' if label == AUTO else label} | " + " | ".join(cells) + " |")
+    lines += ["", ("| at once | auto | best fixed | auto / best (goal >= 0.95) | auto / "
+                   "autoregressive (goal >= 1) | met |"), "|---|---|---|---|---|---|"]
+    for s in r["summary"]:
+        lines.append(f"| {s['concurrency']} | {s['auto']:.1f} | {s['best']} "
+                     f"({s['best_tokens_per_s']:.1f}) | {s['auto_vs_best']:.2f} | "
+                     f"{s['auto_vs_autoregressive']:.2f} | {'yes' if s['met'] else 'no'} |")
+    return "\n".join(lines + ["", NOTES]) + "\n"
+
+
+NOTES = """Reading it: auto follows the best shape as load changes - trees of 7 at 1 and 2 requests
+(its chosen-size histogram), no drafting from 4 on - where every fixed choice is good at one end
+only (chain 4 and trees at 1 request, autoregressive at 8). Its misses are at 1 request (0.89x
+chain 4, within the 7-20 % spread between the two rounds of one configuration on this shared
+2-core host: autoregressive took 17.0 s in one round and 8.9 s in the other) and at 4 (0.94x
+autoregressive: some steps still drafted, a tree of 7 against one-token verifies of the others,
+where the model put the two within a few percent). Start-up: the target's verify cost
+calibration is bounded by `--cost-calibration-s` (default 1.5 s), on top of the CPU GEMM
+calibration (1.2-1.3 s on this EPYC)."""
+
+
+def plot(r: dict, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label in dict.fromkeys(row["config"] for row in r["rows"]):
+        pts = [(row["concurrency"], row["tokens_per_s"]) for row in r["rows"]
+               if row["config"] == label]
+        style = {"lw": 3, "color": "black"} if label == AUTO else {"lw": 1, "alpha": 0.6}
+        ax.plot(*zip(*pts), marker="o", label=label, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests at once")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"--speculation auto vs fixed sizes ({r['machine']['cpu']})", fontsize=9)
+    ax.legend(fontsize=6, ncol=3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.adaptive_cpu",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--min-requests", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--levels", default=",".join(map(str, LEVELS)))
+    p.add_argument("--chains", default=",".join(map(str, CHAINS)))
+    p.add_argument("--trees", default=",".join(map(str, TREES)))
+    p.add_argument("--plot", default="docs/adaptive_cpu.png")
+    add_output_flags(p, "adaptive_cpu")
+    add_tiny_flag(p)
+    args = p.parse_args(argv)
+    tiny_outputs(args, p, "adaptive_cpu")
+    if render_only(args, SECTION, markdown):
+        return
+    levels = tuple(int(x) for x in args.levels.split(","))
+    chains = tuple(int(x) for x in args.chains.split(",") if x)
+    trees = tuple(int(x) for x in args.trees.split(",") if x)
+    if args.tiny:
+        levels, chains, trees, args.max_tokens, args.min_requests = (1, 2), (4,), (7,), 8, 2
+        args.plot = str(Path(args.out).with_suffix(".png"))
+    from dflash.prepare.smollm2 import prepare_smollm2
+    from runtime.tokenizer import ChatTokenizer
+    tok = ChatTokenizer(prepare_smollm2(["float32"], progress=False)["float32"])
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))
+               for t in CHATS + COPY_TASKS]
+    result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
+                    "command": "python -m bench.adaptive_cpu " + " ".join(argv or sys.argv[1:]),
+                    "max_tokens": args.max_tokens, "requests_min": args.min_requests,
+                    "rounds": args.rounds, "levels": list(levels)}
+    if args.tiny:
+        result.update(tiny_fields())
+    with tempfile.TemporaryDirectory(prefix="bench-adaptive-") as tmp, \
+            Services("dflash", Path(tmp), speculation="auto") as svc:
+        result.update(measure(args, svc, prompts, configs(chains, trees), levels))
+    save(result, Path(args.out), Path(args.doc), SECTION, markdown)
+    plot(result, Path(args.plot))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""What a speculative step costs, as the gateway's `--speculation auto` sees it
+(gateway/speculation_policy.py; docs/adaptive-speculation.md).
+
+    step(request) = overhead + (propose if it drafts) + verify(tokens of the whole batch)
+
+- verify(T): the target's forward time for a batch of T tokens. It starts from the curve the
+  target measured at warm-up (TargetCapabilities.verify_cost) and follows every Verify's own
+  report of the forward it ran in (VerifyResponse.batch_tokens / batch_seconds): each point is
+  a moving average, and the curve read is their non-decreasing fit (pool adjacent violators, a
+  bigger batch never costs less), interpolated linearly between points and extrapolated past
+  the last one at the slope of its last two.
+- propose: a Propose round trip as the gateway waits for it (a moving average).
+- overhead: the rest of a step that does not depend on its size - a Verify's round trip minus
+  its wait in the target's queue and its forward (the wire, gRPC, scheduling).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from services.common import metrics
+
+log = logging.getLogger("dflash.gateway.cost")
+
+ALPHA = 0.1                             # weight of a new observation in each moving average
+MAX_WEIGHT = 50.0                       # a point's weight in the fit stops growing here
+
+
+@dataclass
+class _Point:
+    seconds: float
+    weight: float                       # observations behind it (capped): the fit's weight
+    observed: bool = False              # False: only the warm-up's measurement
+
+
+class CostModel:
+    def __init__(self, curve: Iterable[tuple[int, float]] = ()) -> None:
+        """curve: (tokens, seconds) measured by the target at warm-up; empty = unknown (then
+        `known` is False and the gateway does not choose sizes by cost)."""
+        self._points: dict[int, _Point] = {t: _Point(s, 2.0) for t, s in curve if t > 0}
+        self._fit: list[tuple[int, float]] | None = None
+        self.propose_s = 0.0            # 0 until a Propose was timed
+        self.overhead_s = 0.0
+
+    @property
+    def known(self) -> bool:
+        return bool(self._points)
+
+    # -- reading -------------------------------------------------------------------------------
+    def verify_s(self, tokens: int) -> float:
+        """Forward time of a verify batch of `tokens` tokens (0 when unknown)."""
+        fit = self._fitted()
+        if not fit:
+            return 0.0
+        i = bisect.bisect_left(fit, (tokens, float("-inf")))   # the first point >= tokens
+        if i < len(fit) and fit[i][0] == tokens:
+            return fit[i][1]
+        if i == 0:
+            return fit[0][1]
+        if i == len(fit):
+            return _extrapolate(fit, tokens)
+        (t0, s0), (t1, s1) = fit[i - 1], fit[i]
+        return max(0.0, s0 + (s1 - s0) * (tokens - t0) / (t1 - t0))
+
+    def step_s(self, batch_tokens: int, drafts: bool) -> float:
+        """One request's step: its verify in a batch of batch_tokens, plus a Propose if it
+        drafts, plus the overhead."""
+        return self.overhead_s + (self.propose_s if drafts else 0.0) + self.verify_s(batch_tokens)
+
+    # -- learning ------------------------------------------------------------------------------
+    def observe_verify(self, batch_tokens: int, batch_seconds: float, wall_s: float,
+                       queue_s: float = 0.0) -> None:
+        """A Verify answered after wall_s; it waited queue_s in the target's engine (for the
+        batches before it: the others' load, which the batch model counts already), and its
+        forward ran batch_tokens in batch_seconds (0 / 0: a target that does not report it)."""
+        if batch_tokens > 0 and batch_seconds > 0:
+            self._rescale_unobserved(batch_seconds / max(self.verify_s(batch_tokens), 1e-9))
+            p = self._points.get(batch_tokens)
+            if p is None:
+                self._points[batch_tokens] = _Point(batch_seconds, 1.0, True)
+            else:
+                p.seconds += ALPHA * (batch_seconds - p.seconds)
+                p.weight = min(MAX_WEIGHT, p.weight + 1.0)
+                p.observed = True
+            self._fit = None
+            self.overhead_s = _average(self.overhead_s,
+                                       max(0.0, wall_s - queue_s - batch_seconds))
+
+    def _rescale_unobserved(self, ratio: float) -> None:
+        """The warm-up's points that serving never ran follow the observed ones' scale (the
+        calibration's shape, the observations' level): a calibration slowed by a busy start-up,
+        or a host that got busier, must not keep sizes nobody tries looking dear or cheap."""
+        if self._points and 0.2 < ratio < 5.0:
+            factor = ratio ** ALPHA
+            for p in self._points.values():
+                if not p.observed:
+                    p.seconds *= factor
+
+    def observe_propose(self, wall_s: float) -> None:
+        self.propose_s = _average(self.propose_s, wall_s)
+
+    def export(self, model: str) -> None:
+        """dflash_spec_cost_seconds: the model's parts now."""
+        if not model:
+            return
+        one = self.verify_s(1)
+        values = {"verify_1": one, "verify_per_token": max(0.0, self.verify_s(17) - one) / 16,
+                  "propose": self.propose_s, "overhead": self.overhead_s}
+        for component, v in values.items():
+            metrics.SPEC_COST.labels(model, component).set(v)
+
+    def _fitted(self) -> list[tuple[int, float]]:
+        if self._fit is None:
+            self._fit = monotone_fit(sorted((t, p.seconds, p.weight)
+                                            for t, p in self._points.items()))
+        return self._fit
+
+
+def monotone_fit(points: list[tuple[int, float, float]]) -> list[tuple[int, float]]:
+    """The weighted least-squares non-decreasing fit of (x, y, weight) sorted by x (pool
+    adjacent violators); one (x, fitted y) per input point."""
+    blocks: list[list[float]] = []      # [sum of w*y, sum of w, count]
+    for _, y, w in points:
+        blocks.append([w * y, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            wy, ww, n = blocks.pop()
+            blocks[-1][0] += wy
+            blocks[-1][1] += ww
+            blocks[-1][2] += n
+    ys = [b[0] / b[1] for b in blocks for _ in range(int(b[2]))]
+    return [(x, y) for (x, _, _), y in zip(points, ys)]
+
+
+def _extrapolate(fit: list[tuple[int, float]], tokens: int) -> float:
+    """Past the last point: at the steeper of the last segment's slope and the whole curve's
+    (a flat last segment, noise pooled by the fit, must not make big batches free)."""
+    (t_last, s_last), (t_first, s_first) = fit[-1], fit[0]
+    if len(fit) == 1:
+        return s_last * tokens / t_last
+    t_prev, s_prev = fit[-2]
+    slope = max((s_last - s_prev) / (t_last - t_prev), (s_last - s_first) / (t_last - t_first))
+    return s_last + slope * (tokens - t_last)
+
+
+def _average(old: float, new: float) -> float:
+    return new if old == 0.0 else old + ALPHA * (new - old)

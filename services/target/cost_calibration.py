@@ -1,0 +1,136 @@
+"""The verify cost curve measured at warm-up, for the gateway's `--speculation auto`
+(gateway/speculation_policy.py): how long a verify forward takes by the batch's total tokens.
+
+Each size runs through the engine as the service will run it (the scheduler, the batch plan,
+the forward, acceptance, the commit): one sequence verifies a block of T tokens up to the
+largest block, and T / max_block sequences verify full blocks together above it. Two passes,
+up the sizes and back down, and a point is the faster of its two forwards: start-up is when
+the other processes of a stack load too, and contention that slows one pass rarely slows the
+same size in the other. Times come from the forward's own timing (the engine reports it with
+every verify: VerifyResult.batch_tokens / batch_seconds), so verifies the loop happened to
+split into two batches still give true points. Sizes stop at the budget (the calibration is
+part of start-up: readiness waits for it) and at what the engine can hold. A CPU's GEMM path
+changes with the row count (runtime/layers/gemm_calibration.py), hence the small sizes one by
+one.
+
+A calibration that fails (a kernel error, pools too small) is logged and leaves the curve
+empty; the service still starts, and the gateway falls back to fixed speculation."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from runtime.sampling import SamplingConfig
+from services.common import metrics
+from services.target.calls import PrefillCall
+from services.target.engine import TargetEngine
+from services.target.worker import TargetWorker
+
+log = logging.getLogger("dflash.target.cost")
+
+SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512)   # the gateway interpolates
+                                                  # (and extrapolates linearly past the last one)
+REPEATS = 2                             # forwards per size: one per pass
+PROMPT = 4                              # tokens of each calibration sequence's context
+PREFIX = "__cost__"
+ROOM = 256                              # most positions a calibration sequence holds
+
+
+@dataclass(frozen=True)
+class CostPoint:
+    tokens: int                         # a verify batch's total tokens (all its sequences)
+    seconds: float                      # its forward, to the decisions' read-back
+
+
+def plan(worker: TargetWorker) -> list[tuple[int, int]]:
+    """(sequences, block) per size: one sequence up to the largest block, then full blocks of
+    several; within the token budget, the KV pool and the context."""
+    max_b = worker.config.max_block_size
+    pages = worker.kv_cache.usable_pages * worker.config.page_size
+    out = []
+    for t in SIZES:
+        seqs, block = (1, t) if t <= max_b else (-(-t // max_b), max_b)
+        fits_pages = seqs * (ROOM + worker.config.page_size) <= pages
+        if (seqs * block > worker.config.token_budget or not fits_pages
+                or PROMPT + REPEATS * block > min(ROOM, worker.facts.max_context)):
+            break
+        out.append((seqs, block))
+    return out
+
+
+async def calibrate(engine: TargetEngine, worker: TargetWorker, budget_s: float
+                    ) -> tuple[CostPoint, ...]:
+    """The curve, ascending in tokens; () when off (budget 0) or when it failed (logged)."""
+    if budget_s <= 0:
+        return ()
+    t0 = time.monotonic()
+    points: dict[int, float] = {}
+    lengths: dict[str, int] = {}
+    try:
+        if worker.hooks.fail_cost_calibration:
+            raise RuntimeError("verify forward failed (test hook fail_cost_calibration)")
+        done: list[tuple[int, int]] = []
+        for seqs, block in plan(worker):                            # up
+            if time.monotonic() - t0 + REPEATS * _estimate(points, seqs * block) > budget_s:
+                break
+            await _measure(engine, worker, seqs, block, points, lengths)
+            done.append((seqs, block))
+        for seqs, block in reversed(done):                          # and down
+            if time.monotonic() - t0 + _estimate(points, seqs * block) > budget_s:
+                break
+            await _measure(engine, worker, seqs, block, points, lengths)
+    except Exception as e:  # noqa: BLE001 - a kernel error must not keep the service from starting
+        log.warning("verify cost calibration failed (%s: %s); the gateway's --speculation auto "
+                    "falls back to fixed speculation", type(e).__name__, e)
+        return ()
+    finally:
+        await asyncio.gather(*(engine.release(f"{PREFIX}{i}") for i in range(_most(worker))))
+    curve = tuple(CostPoint(t, s) for t, s in sorted(points.items()))
+    _export(curve)
+    log.info("verify cost calibrated", extra={
+        "seconds": round(time.monotonic() - t0, 2),
+        "curve_ms": " ".join(f"{p.tokens}:{p.seconds * 1e3:.2f}" for p in curve)})
+    return curve
+
+
+async def _measure(engine: TargetEngine, worker: TargetWorker, seqs: int, block: int,
+                   points: dict[int, float], lengths: dict[str, int]) -> None:
+    """A verify of `seqs` sequences x `block` tokens, submitted together. lengths: the
+    calibration sequences and their committed lengths; a new one, or one without room for
+    another block, is prefilled first (a Prefill replaces the one of the same id)."""
+    bos = worker.facts.bos_token_id
+    ids = [f"{PREFIX}{i}" for i in range(seqs)]
+    room = min(worker.facts.max_context, ROOM)
+    fresh = [i for i in ids if lengths.get(i, room) + block > room]
+    await asyncio.gather(*(engine.prefill(PrefillCall(i, [bos] * PROMPT, SamplingConfig(), (),
+                                                      torch.bfloat16)) for i in fresh))
+    lengths.update({i: PROMPT for i in fresh})
+    results = await asyncio.gather(*(engine.verify(i, [bos] * block) for i in ids))
+    for i, r in zip(ids, results):
+        lengths[i] = r.seq_len
+        if r.batch_tokens:
+            points[r.batch_tokens] = min(points.get(r.batch_tokens, float("inf")),
+                                         r.batch_seconds)
+
+
+def _estimate(points: dict[int, float], tokens: int) -> float:
+    """What one forward of `tokens` will take: as measured, else at the largest measured point's
+    cost per token (0 before the first)."""
+    if tokens in points or not points:
+        return points.get(tokens, 0.0)
+    last = max(points)
+    return points[last] * max(1.0, tokens / last)
+
+
+def _most(worker: TargetWorker) -> int:
+    return max((s for s, _ in plan(worker)), default=1)
+
+
+def _export(curve: tuple[CostPoint, ...]) -> None:
+    lb = metrics.labels()
+    for p in curve:
+        metrics.VERIFY_COST.labels(lb.model_name, lb.service, str(p.tokens)).set(p.seconds)

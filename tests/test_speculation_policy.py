@@ -1,0 +1,190 @@
+"""--speculation auto's decision as a pure function of the cost and acceptance models
+(gateway/speculation_policy.py, gateway/cost_model.py, gateway/acceptance_model.py), with
+synthetic models: cheap verifies make longer blocks win, expensive verifies or low acceptance
+shorter ones, load makes no drafting win; the models learn from observations."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.acceptance_model import CHAIN, AcceptanceModel, ServiceAcceptance
+from gateway.config import GatewayConfig
+from gateway.cost_model import CostModel, monotone_fit
+from gateway.speculation_policy import (
+    NO_DRAFTING,
+    Limits,
+    Load,
+    Option,
+    Shape,
+    SpeculationPolicy,
+    choose,
+)
+
+
+def flat_then_linear(knee: int, base: float, per_token: float) -> list[tuple[int, float]]:
+    """A GPU-like curve: constant up to `knee` tokens, then linear."""
+    return [(t, base + per_token * max(0, t - knee)) for t in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+
+
+def chain_options(p: float, max_drafts: int = 15) -> list[Option]:
+    """Chains with a constant conditional acceptance p."""
+    out = [Option(NO_DRAFTING, 1.0)]
+    for k in range(1, max_drafts + 1):
+        out.append(Option(Shape(k), 1.0 + sum(p ** j for j in range(1, k + 1))))
+    return out
+
+
+def cost(curve, propose=0.0, overhead=0.0) -> CostModel:
+    c = CostModel(curve)
+    c.propose_s, c.overhead_s = propose, overhead
+    return c
+
+
+def test_cheap_verify_and_high_acceptance_choose_a_long_block():
+    best = choose(chain_options(0.9), cost(flat_then_linear(32, 0.010, 0.0003), propose=0.001))
+    assert best.shape.drafts == 15
+
+
+def test_expensive_verify_chooses_a_shorter_block():
+    cheap = choose(chain_options(0.8), cost(flat_then_linear(32, 0.010, 0.0003), propose=0.001))
+    costly = choose(chain_options(0.8), cost([(1, 0.010), (16, 0.080)], propose=0.001))
+    assert 0 < costly.shape.drafts < cheap.shape.drafts
+
+
+def test_low_acceptance_chooses_a_shorter_block_or_none():
+    c = cost([(1, 0.010), (16, 0.030)], propose=0.003)
+    high = choose(chain_options(0.85), c)
+    low = choose(chain_options(0.3), c)
+    none = choose(chain_options(0.02), c)
+    assert high.shape.drafts > low.shape.drafts
+    assert none.shape == NO_DRAFTING
+
+
+def test_load_makes_no_drafting_win():
+    """Compute-bound verifies (linear in tokens) with 31 other requests in the batch: adding
+    drafts costs the whole batch more than they bring."""
+    c = cost([(1, 0.02), (32, 0.08), (512, 1.0)], propose=0.004)
+    alone = choose(chain_options(0.7), c)
+    loaded = choose(chain_options(0.7), c, Load(tokens=31 * 4, expected=31 * 2.0))
+    assert alone.shape.drafts > 0
+    assert loaded.shape == NO_DRAFTING
+
+
+def test_a_tree_wins_when_its_acceptance_pays_for_its_tokens():
+    c = cost(flat_then_linear(64, 0.010, 0.0003), propose=0.001)
+    tree = Option(Shape(15, tree=True), 4.5)
+    assert choose(chain_options(0.6) + [tree], c).shape == Shape(15, True)
+    c_cpu = cost([(1, 0.010), (16, 0.040), (64, 0.16)], propose=0.001)
+    assert not choose(chain_options(0.6) + [tree], c_cpu).shape.tree
+
+
+def test_ties_prefer_fewer_drafts():
+    c = cost([(1, 0.010), (64, 0.010)])
+    assert choose([Option(Shape(3), 1.0), Option(NO_DRAFTING, 1.0)], c).shape == NO_DRAFTING
+
+
+def test_cost_model_fits_a_non_decreasing_curve_and_extrapolates():
+    c = CostModel([(1, 0.060), (2, 0.040), (4, 0.050), (8, 0.060)])
+    ys = [c.verify_s(t) for t in (1, 2, 3, 4, 8)]
+    assert ys == sorted(ys)                      # the noisy first point is pooled
+    assert c.verify_s(16) > c.verify_s(8) > 0     # past the last point: still growing
+    assert monotone_fit([(1, 3.0, 1.0), (2, 1.0, 1.0)]) == [(1, 2.0), (2, 2.0)]
+
+
+def test_cost_model_follows_observed_forwards():
+    c = CostModel([(1, 0.010), (16, 0.020)])
+    for _ in range(60):
+        c.observe_verify(16, 0.040, 0.045)
+        c.observe_propose(0.003)
+    assert c.verify_s(16) == pytest.approx(0.040, rel=0.05)
+    assert c.overhead_s == pytest.approx(0.005, rel=0.05)
+    assert c.propose_s == pytest.approx(0.003)
+    assert not CostModel().known and CostModel().verify_s(8) == 0.0
+
+
+def test_acceptance_model_counts_by_depth_and_blends_the_service():
+    service = ServiceAcceptance()
+    a = AcceptanceModel(service)
+    assert a.p(CHAIN, 1) == pytest.approx(0.8)   # the optimistic prior
+    for _ in range(50):
+        a.observe(CHAIN, 4, 1)                   # the first draft accepted, the second refused
+    assert a.p(CHAIN, 1) > 0.95 and a.p(CHAIN, 2) < 0.1
+    assert a.p(CHAIN, 3) == pytest.approx(0.8, abs=0.05)   # never tried: the prior
+    assert a.expected(CHAIN, 4) < 2.2
+    b = AcceptanceModel(service)                 # a new request starts from the service's counts
+    assert b.p(CHAIN, 2) < 0.3
+    a.observe(15, 5, 5)
+    assert a.tree_depth(15, 3) == 5 and a.tree_depth(63, 7) == 7
+
+
+def test_policy_learns_low_acceptance_and_stops_drafting():
+    policy = SpeculationPolicy([(1, 0.010), (16, 0.030), (64, 0.10)])
+    policy.cost.propose_s = 0.005
+    a = policy.model()
+    limits = Limits(max_chain=15, max_tree=63, tree_depth=15)
+    first = policy.decide("r", a, limits)
+    assert first.drafts > 0                      # optimistic at first
+    for _ in range(200):
+        shape = policy.decide("r", a, limits)
+        if shape.drafts:
+            depth = shape.drafts if not shape.tree else min(shape.drafts, 15)
+            policy.observe(a, shape, depth, 0)   # nothing is ever accepted
+    assert policy.decide("r", a, limits) == NO_DRAFTING
+
+
+def test_policy_counts_the_other_running_requests():
+    policy = SpeculationPolicy([(1, 0.02), (32, 0.08), (512, 1.0)])
+    policy.cost.propose_s = 0.004
+    limits = Limits(max_chain=3, max_tree=0, tree_depth=3)
+    models = {f"r{i}": policy.model() for i in range(32)}
+    for r, m in models.items():
+        for _ in range(30):
+            m.observe(CHAIN, 3, 1)
+    alone = policy.decide("r0", models["r0"], limits)
+    for r, m in models.items():
+        policy.decide(r, m, limits)
+    loaded = policy.decide("r0", models["r0"], limits)
+    assert alone.drafts > 0 and loaded == NO_DRAFTING
+    for r in models:
+        policy.forget(r)
+    assert policy.decide("r0", models["r0"], limits).drafts > 0
+
+
+@pytest.mark.parametrize("value", ["auto", "fixed", "1", "4"])
+def test_speculation_flag_values(value):
+    GatewayConfig(target="t:1", tokenizer_dir="x", speculation=value)
+
+
+@pytest.mark.parametrize("value", ["", "0", "-3", "tree", "Auto", "4.5"])
+def test_speculation_flag_refuses_other_values(value):
+    with pytest.raises(ValueError, match="--speculation .*allowed auto"):
+        GatewayConfig(target="t:1", tokenizer_dir="x", speculation=value)
+
+
+def test_fixed_flags_override_auto():
+    assert GatewayConfig(target="t:1", tokenizer_dir="x").auto_speculation
+    assert not GatewayConfig(target="t:1", tokenizer_dir="x", block_size=4).auto_speculation
+    assert not GatewayConfig(target="t:1", tokenizer_dir="x", spec_tree_nodes=15).auto_speculation
+    assert not GatewayConfig(target="t:1", tokenizer_dir="x", speculation="6").auto_speculation
+    assert GatewayConfig(target="t:1", tokenizer_dir="x", speculation="6").fixed_block == 6
+
+
+def test_sizes_serving_never_runs_follow_the_observed_scale():
+    """A calibration slowed twice over by a busy start-up: serving observes one size at its true
+    time, and the sizes it never runs come down with it (the curve's shape is kept)."""
+    c = CostModel([(1, 0.080), (4, 0.100), (16, 0.160)])
+    for _ in range(200):
+        c.observe_verify(4, 0.050, 0.052)
+    assert c.verify_s(4) == pytest.approx(0.050, rel=0.02)
+    assert c.verify_s(1) == pytest.approx(0.040, rel=0.1)
+    assert c.verify_s(16) == pytest.approx(0.080, rel=0.1)
+
+
+def test_requests_that_have_not_chosen_yet_count_as_load():
+    policy = SpeculationPolicy([(1, 0.02), (32, 0.08), (512, 1.0)])
+    policy.cost.propose_s = 0.004
+    m = policy.model()
+    for _ in range(30):
+        m.observe(CHAIN, 3, 1)
+    limits = Limits(max_chain=3, max_tree=0, tree_depth=3)
+    assert policy.decide("r0", m, limits, running=1).drafts > 0
+    assert policy.decide("r0", m, limits, running=32) == NO_DRAFTING
