@@ -3,8 +3,10 @@
 
     step(request) = overhead + (propose if it drafts) + verify(tokens of the whole batch)
 
-- verify(T): the target's forward time for a batch of T tokens. It starts from the curve the
-  target measured at warm-up (TargetCapabilities.verify_cost) and follows every Verify's own
+- verify(T): the target's forward time for a batch of T tokens, one curve for chains and one
+  for trees (their own kernels, and CUDA graphs of some tree sizes only: another size runs
+  eagerly). It starts from the curves the target measured at warm-up
+  (TargetCapabilities.verify_cost, verify_cost_tree) and follows every Verify's own
   report of the forward it ran in (VerifyResponse.batch_tokens / batch_seconds): each point is
   a moving average, and the curve read is their non-decreasing fit (pool adjacent violators, a
   bigger batch never costs less), interpolated linearly between points and extrapolated past
@@ -35,21 +37,18 @@ class _Point:
     observed: bool = False              # False: only the warm-up's measurement
 
 
-class CostModel:
+class VerifyCurve:
+    """Verify forward time by batch tokens, for one kind of verify (chains or trees)."""
+
     def __init__(self, curve: Iterable[tuple[int, float]] = ()) -> None:
-        """curve: (tokens, seconds) measured by the target at warm-up; empty = unknown (then
-        `known` is False and the gateway does not choose sizes by cost)."""
         self._points: dict[int, _Point] = {t: _Point(s, 2.0) for t, s in curve if t > 0}
         self._fit: list[tuple[int, float]] | None = None
-        self.propose_s = 0.0            # 0 until a Propose was timed
-        self.overhead_s = 0.0
 
     @property
     def known(self) -> bool:
         return bool(self._points)
 
-    # -- reading -------------------------------------------------------------------------------
-    def verify_s(self, tokens: int) -> float:
+    def seconds(self, tokens: int) -> float:
         """Forward time of a verify batch of `tokens` tokens (0 when unknown)."""
         fit = self._fitted()
         if not fit:
@@ -64,29 +63,16 @@ class CostModel:
         (t0, s0), (t1, s1) = fit[i - 1], fit[i]
         return max(0.0, s0 + (s1 - s0) * (tokens - t0) / (t1 - t0))
 
-    def step_s(self, batch_tokens: int, drafts: bool) -> float:
-        """One request's step: its verify in a batch of batch_tokens, plus a Propose if it
-        drafts, plus the overhead."""
-        return self.overhead_s + (self.propose_s if drafts else 0.0) + self.verify_s(batch_tokens)
-
-    # -- learning ------------------------------------------------------------------------------
-    def observe_verify(self, batch_tokens: int, batch_seconds: float, wall_s: float,
-                       queue_s: float = 0.0) -> None:
-        """A Verify answered after wall_s; it waited queue_s in the target's engine (for the
-        batches before it: the others' load, which the batch model counts already), and its
-        forward ran batch_tokens in batch_seconds (0 / 0: a target that does not report it)."""
-        if batch_tokens > 0 and batch_seconds > 0:
-            self._rescale_unobserved(batch_seconds / max(self.verify_s(batch_tokens), 1e-9))
-            p = self._points.get(batch_tokens)
-            if p is None:
-                self._points[batch_tokens] = _Point(batch_seconds, 1.0, True)
-            else:
-                p.seconds += ALPHA * (batch_seconds - p.seconds)
-                p.weight = min(MAX_WEIGHT, p.weight + 1.0)
-                p.observed = True
-            self._fit = None
-            self.overhead_s = _average(self.overhead_s,
-                                       max(0.0, wall_s - queue_s - batch_seconds))
+    def observe(self, tokens: int, seconds: float) -> None:
+        self._rescale_unobserved(seconds / max(self.seconds(tokens), 1e-9))
+        p = self._points.get(tokens)
+        if p is None:
+            self._points[tokens] = _Point(seconds, 1.0, True)
+        else:
+            p.seconds += ALPHA * (seconds - p.seconds)
+            p.weight = min(MAX_WEIGHT, p.weight + 1.0)
+            p.observed = True
+        self._fit = None
 
     def _rescale_unobserved(self, ratio: float) -> None:
         """The warm-up's points that serving never ran follow the observed ones' scale (the
@@ -97,6 +83,53 @@ class CostModel:
             for p in self._points.values():
                 if not p.observed:
                     p.seconds *= factor
+
+    def _fitted(self) -> list[tuple[int, float]]:
+        if self._fit is None:
+            self._fit = monotone_fit(sorted((t, p.seconds, p.weight)
+                                            for t, p in self._points.items()))
+        return self._fit
+
+
+class CostModel:
+    def __init__(self, curve: Iterable[tuple[int, float]] = (),
+                 tree_curve: Iterable[tuple[int, float]] = ()) -> None:
+        """curve: (tokens, seconds) of chain verifies measured by the target at warm-up; empty =
+        unknown (then `known` is False and the gateway does not choose sizes by cost).
+        tree_curve: the same for tree verifies (their own kernels and CUDA graphs: a tree of a
+        size without a graph runs eagerly); empty = as chains."""
+        self.chains, self.trees = VerifyCurve(curve), VerifyCurve(tree_curve)
+        self.propose_s = 0.0            # 0 until a Propose was timed
+        self.overhead_s = 0.0
+
+    @property
+    def known(self) -> bool:
+        return self.chains.known
+
+    # -- reading -------------------------------------------------------------------------------
+    def verify_s(self, tokens: int, tree: bool = False) -> float:
+        """Forward time of a verify batch of `tokens` tokens (0 when unknown)."""
+        curve = self.trees if tree and self.trees.known else self.chains
+        return curve.seconds(tokens)
+
+    def step_s(self, batch_tokens: int, drafts: bool, tree: bool = False) -> float:
+        """One request's step: its verify in a batch of batch_tokens, plus a Propose if it
+        drafts, plus the overhead."""
+        return (self.overhead_s + (self.propose_s if drafts else 0.0)
+                + self.verify_s(batch_tokens, tree))
+
+    # -- learning ------------------------------------------------------------------------------
+    def observe_verify(self, batch_tokens: int, batch_seconds: float, wall_s: float,
+                       queue_s: float = 0.0, tree: bool = False) -> None:
+        """A Verify (of a tree or a chain) answered after wall_s; it waited queue_s in the
+        target's engine (for the batches before it: the others' load, which the batch model
+        counts already), and its forward ran batch_tokens in batch_seconds (0 / 0: a target
+        that does not report it)."""
+        if batch_tokens > 0 and batch_seconds > 0:
+            curve = self.trees if tree and self.trees.known else self.chains
+            curve.observe(batch_tokens, batch_seconds)
+            self.overhead_s = _average(self.overhead_s,
+                                       max(0.0, wall_s - queue_s - batch_seconds))
 
     def observe_propose(self, wall_s: float) -> None:
         self.propose_s = _average(self.propose_s, wall_s)
@@ -110,12 +143,6 @@ class CostModel:
                   "propose": self.propose_s, "overhead": self.overhead_s}
         for component, v in values.items():
             metrics.SPEC_COST.labels(model, component).set(v)
-
-    def _fitted(self) -> list[tuple[int, float]]:
-        if self._fit is None:
-            self._fit = monotone_fit(sorted((t, p.seconds, p.weight)
-                                            for t, p in self._points.items()))
-        return self._fit
 
 
 def monotone_fit(points: list[tuple[int, float, float]]) -> list[tuple[int, float]]:

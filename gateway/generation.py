@@ -178,10 +178,10 @@ class Generation:
             depth = len(drafts.tokens) if drafts.is_chain else max(drafts.depths)
             policy.observe(self.acceptance, shape, depth, resp.accepted)
         policy.cost.observe_verify(resp.batch_tokens, resp.batch_seconds, verify_s,
-                                   resp.queue_seconds)
+                                   resp.queue_seconds, tree=not drafts.is_chain)
         if propose_s is not None and drafts.tokens:
             policy.cost.observe_propose(propose_s)
-        policy.cost.export(self.state.metrics_model)
+        policy.export(self.state.metrics_model)
 
     async def _constrained(self, drafts: DraftTree) -> tuple[DraftTree, list[bytes] | None]:
         """Structured output: the drafts the grammar allows (a chain cut before its first

@@ -16,6 +16,7 @@ gateway-wide state around it (the cost model, the service's acceptance, the runn
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -64,7 +65,7 @@ def choose(options: Iterable[Option], cost: CostModel, load: Load = Load()) -> O
     """The option with the most committed tokens per second for the whole batch (ties: the
     fewer drafts). options must include NO_DRAFTING."""
     def rate(o: Option) -> float:
-        seconds = cost.step_s(load.tokens + o.shape.tokens, o.shape.drafts > 0)
+        seconds = cost.step_s(load.tokens + o.shape.tokens, o.shape.drafts > 0, o.shape.tree)
         return (o.expected + load.expected) / seconds if seconds > 0 else o.expected
     return max(sorted(options, key=lambda o: o.shape.tokens), key=rate)
 
@@ -79,10 +80,12 @@ class Limits:
 
 
 class SpeculationPolicy:
-    def __init__(self, curve: Iterable[tuple[int, float]] = ()) -> None:
-        self.cost = CostModel(curve)
+    def __init__(self, curve: Iterable[tuple[int, float]] = (),
+                 tree_curve: Iterable[tuple[int, float]] = ()) -> None:
+        self.cost = CostModel(curve, tree_curve)
         self.service = ServiceAcceptance()
         self._running: dict[str, Option] = {}
+        self._exported = float("-inf")
 
     @property
     def usable(self) -> bool:
@@ -115,7 +118,7 @@ class SpeculationPolicy:
                 "seq": request, "shape": best.shape, "expected": round(best.expected, 2),
                 "load_tokens": load.tokens, "load_expected": round(load.expected, 2),
                 "options": " ".join(f"{o.shape.drafts}{'t' if o.shape.tree else ''}:"
-                                    f"{o.expected:.2f}/{self.cost.step_s(load.tokens + o.shape.tokens, o.shape.drafts > 0) * 1e3:.0f}ms"
+                                    f"{o.expected:.2f}/{self.cost.step_s(load.tokens + o.shape.tokens, o.shape.drafts > 0, o.shape.tree) * 1e3:.0f}ms"
                                     for o in options)})
         return best.shape
 
@@ -124,6 +127,13 @@ class SpeculationPolicy:
         """A step of `shape` verified drafts reaching `depth` (fewer than asked when the draft
         or a grammar cut them) with `accepted` accepted."""
         acceptance.observe(shape.key, depth, accepted)
+
+    def export(self, model: str) -> None:
+        """The cost model's gauges, at most once a second (a step is milliseconds on a GPU)."""
+        now = time.monotonic()
+        if now - self._exported >= 1.0:
+            self._exported = now
+            self.cost.export(model)
 
     def forget(self, request: str) -> None:
         self._running.pop(request, None)

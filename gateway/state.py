@@ -79,7 +79,7 @@ class GatewayState:
         self.ready_event = asyncio.Event()
         self.upstreams_event = asyncio.Event()   # upstreams usable (also while closing)
         self.policy = SpeculationPolicy()   # --speculation auto (gateway/speculation_policy.py)
-        self._policy_curve: tuple[tuple[int, float], ...] | None = None
+        self._policy_curve: tuple | None = None     # (chain curve, tree curve) it was built on
         self._grammars: GrammarCompiler | None = None    # built at the first structured request
         self._grammars_lock = asyncio.Lock()
         self._published: bool | None = None
@@ -133,12 +133,14 @@ class GatewayState:
         if not self.config.auto_speculation or caps is None:
             return None
         curve = tuple((p.tokens, p.seconds) for p in caps.verify_cost)
-        if curve != self._policy_curve:
-            self._policy_curve = curve
-            self.policy.cost = CostModel(curve)
+        tree_curve = tuple((p.tokens, p.seconds) for p in caps.verify_cost_tree)
+        if (curve, tree_curve) != self._policy_curve:
+            self._policy_curve = curve, tree_curve
+            self.policy.cost = CostModel(curve, tree_curve)
             if curve:
-                log.info("speculation auto: verify cost curve from the target", extra={
-                    "curve_ms": " ".join(f"{t}:{s * 1e3:.2f}" for t, s in curve)})
+                log.info("speculation auto: verify cost curves from the target", extra={
+                    "chains_ms": " ".join(f"{t}:{s * 1e3:.2f}" for t, s in curve),
+                    "trees_ms": " ".join(f"{t}:{s * 1e3:.2f}" for t, s in tree_curve)})
             else:
                 log.warning("speculation auto: the target reports no verify cost curve (its "
                             "--cost-calibration-s is 0 or its calibration failed); fixed "

@@ -56,10 +56,13 @@ def services(smollm2_dir, tmp_path_factory):
 
 def test_the_target_reports_its_verify_cost(services):
     target, _ = services
-    curve = [(p.tokens, p.seconds) for p in capabilities(target.address).verify_cost]
+    caps = capabilities(target.address)
+    curve = [(p.tokens, p.seconds) for p in caps.verify_cost]
     assert len(curve) >= 3, curve
     assert [t for t, _ in curve] == sorted(t for t, _ in curve) and curve[0][0] == 1
     assert all(s > 0 for _, s in curve)
+    trees = [(p.tokens, p.seconds) for p in caps.verify_cost_tree]
+    assert trees and trees[0][0] == 8 and all(s > 0 for _, s in trees), trees   # a tree of 7
     assert "verify cost calibrated" in target.log()
 
 
@@ -92,7 +95,8 @@ def test_a_failed_calibration_starts_anyway_and_the_gateway_uses_fixed_sizes(smo
     draft = start_draft(smollm2_dir, tmp_path, model_dir=SHIPPED)
     gw = start_gateway(target.address, smollm2_dir, tmp_path, draft=draft.address)
     try:
-        assert list(capabilities(target.address).verify_cost) == []
+        caps = capabilities(target.address)
+        assert list(caps.verify_cost) == [] and list(caps.verify_cost_tree) == []
         assert "verify cost calibration failed" in target.log()
         prompt = chat_prompts(smollm2_dir, TEXTS[:1])[0]
         ids, _, responses = gw.generate(prompt, 24)

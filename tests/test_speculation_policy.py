@@ -188,3 +188,18 @@ def test_requests_that_have_not_chosen_yet_count_as_load():
     limits = Limits(max_chain=3, max_tree=0, tree_depth=3)
     assert policy.decide("r0", m, limits, running=1).drafts > 0
     assert policy.decide("r0", m, limits, running=32) == NO_DRAFTING
+
+
+def test_trees_have_their_own_cost_curve():
+    """On a GPU a tree size without a CUDA graph runs eagerly: its curve, not the chains', says
+    what a tree costs, and an expensive tree loses to the chain of the same tokens."""
+    chains = flat_then_linear(64, 0.010, 0.0003)
+    tree = Option(Shape(7, tree=True), 3.0)
+    chain = Option(Shape(7), 2.9)
+    cheap = CostModel(chains, [(8, 0.010), (16, 0.010), (64, 0.012)])
+    eager = CostModel(chains, [(8, 0.060), (16, 0.010), (64, 0.012)])
+    assert choose([Option(NO_DRAFTING, 1.0), chain, tree], cheap).shape.tree
+    assert choose([Option(NO_DRAFTING, 1.0), chain, tree], eager).shape == Shape(7)
+    assert CostModel(chains).verify_s(8, tree=True) == CostModel(chains).verify_s(8)
+    eager.observe_verify(8, 0.055, 0.06, tree=True)
+    assert eager.verify_s(8) == pytest.approx(0.010)            # chains untouched

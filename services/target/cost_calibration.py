@@ -4,7 +4,8 @@
 Each size runs through the engine as the service will run it (the scheduler, the batch plan,
 the forward, acceptance, the commit): one sequence verifies a block of T tokens up to the
 largest block, and T / max_block sequences verify full blocks together above it. Two passes,
-up the sizes and back down, and a point is the faster of its two forwards: start-up is when
+up the sizes and (after the trees) back down, and a point is the faster of its two forwards
+(the second pass as far as the budget allows): start-up is when
 the other processes of a stack load too, and contention that slows one pass rarely slows the
 same size in the other. Times come from the forward's own timing (the engine reports it with
 every verify: VerifyResult.batch_tokens / batch_seconds), so verifies the loop happened to
@@ -13,6 +14,9 @@ part of start-up: readiness waits for it) and at what the engine can hold. A CPU
 changes with the row count (runtime/layers/gemm_calibration.py), hence the small sizes one by
 one.
 
+Trees get their own points (`TREE_SIZES` drafts, one sequence, the faster of two): their
+attention runs under an ancestor mask and, on CUDA, only some tree sizes have graphs.
+
 A calibration that fails (a kernel error, pools too small) is logged and leaves the curve
 empty; the service still starts, and the gateway falls back to fixed speculation."""
 from __future__ import annotations
@@ -20,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
+from runtime.draft_tree import DraftTree
 from runtime.sampling import SamplingConfig
 from services.common import metrics
 from services.target.calls import PrefillCall
+from services.target.cost_curves import CostCurves, CostPoint
 from services.target.engine import TargetEngine
 from services.target.worker import TargetWorker
 
@@ -36,14 +41,9 @@ SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512)   # the gateway
                                                   # (and extrapolates linearly past the last one)
 REPEATS = 2                             # forwards per size: one per pass
 PROMPT = 4                              # tokens of each calibration sequence's context
+TREE_SIZES = (7, 15, 63)                # the tree sizes the gateway's auto considers
 PREFIX = "__cost__"
 ROOM = 256                              # most positions a calibration sequence holds
-
-
-@dataclass(frozen=True)
-class CostPoint:
-    tokens: int                         # a verify batch's total tokens (all its sequences)
-    seconds: float                      # its forward, to the decisions' read-back
 
 
 def plan(worker: TargetWorker) -> list[tuple[int, int]]:
@@ -62,13 +62,13 @@ def plan(worker: TargetWorker) -> list[tuple[int, int]]:
     return out
 
 
-async def calibrate(engine: TargetEngine, worker: TargetWorker, budget_s: float
-                    ) -> tuple[CostPoint, ...]:
-    """The curve, ascending in tokens; () when off (budget 0) or when it failed (logged)."""
+async def calibrate(engine: TargetEngine, worker: TargetWorker, budget_s: float) -> CostCurves:
+    """The curves; empty when off (budget 0) or when it failed (logged)."""
     if budget_s <= 0:
-        return ()
+        return CostCurves()
     t0 = time.monotonic()
     points: dict[int, float] = {}
+    tree_points: dict[int, float] = {}
     lengths: dict[str, int] = {}
     try:
         if worker.hooks.fail_cost_calibration:
@@ -79,22 +79,28 @@ async def calibrate(engine: TargetEngine, worker: TargetWorker, budget_s: float
                 break
             await _measure(engine, worker, seqs, block, points, lengths)
             done.append((seqs, block))
-        for seqs, block in reversed(done):                          # and down
+        for n in (n for n in TREE_SIZES if n <= worker.max_tree_nodes):      # trees
+            if time.monotonic() - t0 + REPEATS * _estimate(points, n + 1) > budget_s:
+                break
+            await _measure_tree(engine, worker, n, tree_points, lengths)
+        for seqs, block in reversed(done):                          # and chains down
             if time.monotonic() - t0 + _estimate(points, seqs * block) > budget_s:
                 break
             await _measure(engine, worker, seqs, block, points, lengths)
     except Exception as e:  # noqa: BLE001 - a kernel error must not keep the service from starting
         log.warning("verify cost calibration failed (%s: %s); the gateway's --speculation auto "
                     "falls back to fixed speculation", type(e).__name__, e)
-        return ()
+        return CostCurves()
     finally:
         await asyncio.gather(*(engine.release(f"{PREFIX}{i}") for i in range(_most(worker))))
-    curve = tuple(CostPoint(t, s) for t, s in sorted(points.items()))
-    _export(curve)
+    curves = CostCurves(*(tuple(CostPoint(t, s) for t, s in sorted(p.items()))
+                          for p in (points, tree_points)))
+    _export(curves.chains)
     log.info("verify cost calibrated", extra={
         "seconds": round(time.monotonic() - t0, 2),
-        "curve_ms": " ".join(f"{p.tokens}:{p.seconds * 1e3:.2f}" for p in curve)})
-    return curve
+        "chains_ms": " ".join(f"{p.tokens}:{p.seconds * 1e3:.2f}" for p in curves.chains),
+        "trees_ms": " ".join(f"{p.tokens}:{p.seconds * 1e3:.2f}" for p in curves.trees)})
+    return curves
 
 
 async def _measure(engine: TargetEngine, worker: TargetWorker, seqs: int, block: int,
@@ -115,6 +121,23 @@ async def _measure(engine: TargetEngine, worker: TargetWorker, seqs: int, block:
         if r.batch_tokens:
             points[r.batch_tokens] = min(points.get(r.batch_tokens, float("inf")),
                                          r.batch_seconds)
+
+
+async def _measure_tree(engine: TargetEngine, worker: TargetWorker, n: int,
+                        points: dict[int, float], lengths: dict[str, int]) -> None:
+    """REPEATS tree verifies of n drafts (a binary heap: node r's parent is (r - 1) // 2) on
+    the first calibration sequence, prefilled again when it lacks room."""
+    bos, seq = worker.facts.bos_token_id, f"{PREFIX}0"
+    tree = DraftTree([bos] * n, [(r - 1) // 2 for r in range(1, n + 1)])
+    for _ in range(REPEATS):
+        if lengths.get(seq, ROOM) + n + 1 > min(worker.facts.max_context, ROOM):
+            await engine.prefill(PrefillCall(seq, [bos] * PROMPT, SamplingConfig(), (),
+                                             torch.bfloat16))
+            lengths[seq] = PROMPT
+        r = await engine.verify(seq, [bos] * (n + 1), tree)
+        lengths[seq] = r.seq_len
+        if r.batch_tokens:
+            points[r.batch_tokens] = min(points.get(r.batch_tokens, float("inf")), r.batch_seconds)
 
 
 def _estimate(points: dict[int, float], tokens: int) -> float:

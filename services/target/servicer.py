@@ -219,7 +219,9 @@ def capabilities(worker: TargetWorker, planes: Sequence[PlaneInfo] = ()
         max_tree_nodes=worker.max_tree_nodes,
         feature_planes=[p.to_pb() for p in planes],
         verify_cost=[target_pb2.CostPoint(tokens=p.tokens, seconds=p.seconds)
-                     for p in worker.verify_cost])
+                     for p in worker.verify_cost.chains],
+        verify_cost_tree=[target_pb2.CostPoint(tokens=p.tokens, seconds=p.seconds)
+                          for p in worker.verify_cost.trees])
 
 
 def add_to_server(servicer: TargetServicer, server: grpc.aio.Server) -> list[str]:

@@ -28,6 +28,7 @@ from runtime.models.registry import load_model
 from runtime.tokenizer import tokenizer_fingerprint
 from services.common.errors import NotReady
 from services.target.config import TargetConfig
+from services.target.cost_curves import CostCurves
 from services.target.hooks import NO_TARGET_HOOKS, TargetHooks
 
 log = logging.getLogger("dflash.target.worker")
@@ -74,8 +75,8 @@ class TargetWorker:
         self._need_mamba_verify_commit: bool | None = None
         self._graphs: dict[tuple[int, tuple[int, ...]], object] = {}
         self._tree_graphs: dict[tuple[int, tuple[int, ...]], object] = {}
-        self.verify_cost: tuple = ()    # (tokens, seconds) points measured at warm-up
-                                        # (services/target/cost_calibration.py); () = none
+        self.verify_cost = CostCurves()  # verify time by batch tokens, measured at warm-up
+                                         # (services/target/cost_calibration.py); empty = none
         self.stage = "loaded"
         log.info("weights loaded", extra={"model": self.facts.model_id,
                                           "seconds": round(time.monotonic() - t0, 2)})
