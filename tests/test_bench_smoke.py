@@ -309,7 +309,8 @@ def test_run_cpu_tiny_runs_each_benchmark_tiny_into_its_folder(tmp_path):
         assert outs and all(Path(o).parent == tmp_path for o in outs), cmd
         assert "--tiny" in cmd or cmd[:2] == ["dflash.cli", "eval-draft"], cmd
     assert {c[0] for c in commands if "--doc" in c} == {
-        "bench.cpu_gemm", "bench.target_cpu", "bench.gateway_cpu", "bench.wire_cpu"}
+        "bench.cpu_gemm", "bench.target_cpu", "bench.gateway_cpu", "bench.wire_cpu",
+        "bench.adaptive_cpu"}
 
 
 def test_tiny_never_writes_the_committed_results_or_the_doc(tmp_path):
