@@ -41,7 +41,8 @@ def samples(http_port: int, name: str) -> dict[tuple, float]:
 @pytest.fixture(scope="module")
 def services(smollm2_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("adaptive")
-    target = start_target(smollm2_dir, logs)
+    # a budget that reaches the trees while the other processes start beside it
+    target = start_target(smollm2_dir, logs, "--cost-calibration-s", "5")
     draft = start_draft(smollm2_dir, logs, model_dir=SHIPPED)
     gws = {"alone": start_gateway(target.address, smollm2_dir, logs),
            "auto": start_gateway(target.address, smollm2_dir, logs, draft=draft.address),

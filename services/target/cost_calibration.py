@@ -42,6 +42,8 @@ SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512)   # the gateway
 REPEATS = 2                             # forwards per size: one per pass
 PROMPT = 4                              # tokens of each calibration sequence's context
 TREE_SIZES = (7, 15, 63)                # the tree sizes the gateway's auto considers
+UP_SHARE, TREE_SHARE = 0.5, 0.8         # of the budget: chains up until half is spent, trees
+                                        # until 80 %, then chains down with the rest
 PREFIX = "__cost__"
 ROOM = 256                              # most positions a calibration sequence holds
 
@@ -75,12 +77,14 @@ async def calibrate(engine: TargetEngine, worker: TargetWorker, budget_s: float)
             raise RuntimeError("verify forward failed (test hook fail_cost_calibration)")
         done: list[tuple[int, int]] = []
         for seqs, block in plan(worker):                            # up
-            if time.monotonic() - t0 + REPEATS * _estimate(points, seqs * block) > budget_s:
+            if time.monotonic() - t0 + REPEATS * _estimate(points, seqs * block) > \
+                    UP_SHARE * budget_s:
                 break
             await _measure(engine, worker, seqs, block, points, lengths)
             done.append((seqs, block))
         for n in (n for n in TREE_SIZES if n <= worker.max_tree_nodes):      # trees
-            if time.monotonic() - t0 + REPEATS * _estimate(points, n + 1) > budget_s:
+            if time.monotonic() - t0 + REPEATS * _estimate(points, n + 1) > \
+                    TREE_SHARE * budget_s:
                 break
             await _measure_tree(engine, worker, n, tree_points, lengths)
         for seqs, block in reversed(done):                          # and chains down
@@ -141,12 +145,13 @@ async def _measure_tree(engine: TargetEngine, worker: TargetWorker, n: int,
 
 
 def _estimate(points: dict[int, float], tokens: int) -> float:
-    """What one forward of `tokens` will take: as measured, else at the largest measured point's
-    cost per token (0 before the first)."""
+    """What one forward of `tokens` will take: as measured, else the largest measured point's
+    time, growing with the tokens past 16 (a forward of a few rows costs about one of one row;
+    0 before the first)."""
     if tokens in points or not points:
         return points.get(tokens, 0.0)
     last = max(points)
-    return points[last] * max(1.0, tokens / last)
+    return points[last] * max(1.0, tokens / max(last, 16))
 
 
 def _most(worker: TargetWorker) -> int:
