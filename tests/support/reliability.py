@@ -104,8 +104,9 @@ def start_stack(model_dir: Path, log_dir: Path, *gateway_flags: str, drafter: st
         if drafter == "prompt-lookup":
             extra = (*extra, "--block-size", str(BLOCK))
         draft = start_draft(model_dir, log_dir, *extra, model_dir=draft_model)
-    gw = start_gateway(target.address, model_dir, log_dir, *gateway_flags,
-                       draft=draft.address if draft else "")
+    # fixed sizes: these scenarios need the draft drafting at every load (auto may not)
+    gw = start_gateway(target.address, model_dir, log_dir, "--speculation", "fixed",
+                       *gateway_flags, draft=draft.address if draft else "")
     return Stack(target, draft, gw, tm, dm)
 
 
