@@ -63,6 +63,15 @@ class VerifyCurve:
         (t0, s0), (t1, s1) = fit[i - 1], fit[i]
         return max(0.0, s0 + (s1 - s0) * (tokens - t0) / (t1 - t0))
 
+    def per_token_s(self) -> float:
+        """What one more token costs on average over the measured range (the fit's slope
+        from its first point to its last; 0 with fewer than two points)."""
+        fit = self._fitted()
+        if len(fit) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = fit[0], fit[-1]
+        return (s1 - s0) / (t1 - t0)
+
     def observe(self, tokens: int, seconds: float) -> None:
         self._rescale_unobserved(seconds / max(self.seconds(tokens), 1e-9))
         p = self._points.get(tokens)
@@ -138,8 +147,7 @@ class CostModel:
         """dflash_spec_cost_seconds: the model's parts now."""
         if not model:
             return
-        one = self.verify_s(1)
-        values = {"verify_1": one, "verify_per_token": max(0.0, self.verify_s(17) - one) / 16,
+        values = {"verify_1": self.verify_s(1), "verify_per_token": self.chains.per_token_s(),
                   "propose": self.propose_s, "overhead": self.overhead_s}
         for component, v in values.items():
             metrics.SPEC_COST.labels(model, component).set(v)

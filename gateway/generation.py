@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from dflash.v1 import common_pb2
+from dflash.v1 import common_pb2, target_pb2
 from gateway.admission import Admission
 from gateway.draft_link import NO_DRAFTS, DraftLink
 from gateway.feed import answer_chunk, chunk_nbytes
@@ -168,11 +168,12 @@ class Generation:
         limits = Limits(max_chain=block - 1, tree_depth=block - 1,
                         max_tree=min(spec.max_tree_nodes, room - 1) if block > 1 else 0)
         shape = policy.decide(self.key, self.acceptance, limits, self.admission.running)
-        policy.record(self.state.metrics_model, shape)
+        if limits.max_chain or limits.max_tree:          # a choice (not a step that cannot draft)
+            policy.record(self.state.metrics_model, shape)
         return (block, shape.drafts, shape) if shape.tree else (shape.tokens, 0, shape)
 
     def _learn(self, policy: SpeculationPolicy, shape: Shape | None, drafts: DraftTree,
-               resp, propose_s: float | None, verify_s: float) -> None:
+               resp: target_pb2.VerifyResponse, propose_s: float | None, verify_s: float) -> None:
         """--speculation auto: what this step says about acceptance and cost."""
         if shape is not None and drafts.tokens:
             depth = len(drafts.tokens) if drafts.is_chain else max(drafts.depths)

@@ -79,6 +79,7 @@ class GatewayState:
         self.ready_event = asyncio.Event()
         self.upstreams_event = asyncio.Event()   # upstreams usable (also while closing)
         self.policy = SpeculationPolicy()   # --speculation auto (gateway/speculation_policy.py)
+        self._policy_caps: target_pb2.TargetCapabilities | None = None  # the caps it read
         self._policy_curve: tuple | None = None     # (chain curve, tree curve) it was built on
         self._grammars: GrammarCompiler | None = None    # built at the first structured request
         self._grammars_lock = asyncio.Lock()
@@ -132,6 +133,14 @@ class GatewayState:
         caps = self.target_caps
         if not self.config.auto_speculation or caps is None:
             return None
+        if caps is not self._policy_caps:           # new capabilities (a target (re)start)
+            self._policy_caps = caps
+            self._rebuild_policy_cost(caps)
+        return self.policy if self.policy.usable else None
+
+    def _rebuild_policy_cost(self, caps: target_pb2.TargetCapabilities) -> None:
+        """A new cost model when the target's curves changed (the learned one is kept when a
+        refresh of the capabilities brought the same curves)."""
         curve = tuple((p.tokens, p.seconds) for p in caps.verify_cost)
         tree_curve = tuple((p.tokens, p.seconds) for p in caps.verify_cost_tree)
         if (curve, tree_curve) != self._policy_curve:
@@ -145,7 +154,6 @@ class GatewayState:
                 log.warning("speculation auto: the target reports no verify cost curve (its "
                             "--cost-calibration-s is 0 or its calibration failed); fixed "
                             "speculation (--block-size, --spec-tree-nodes) until it does")
-        return self.policy if self.policy.usable else None
 
     def known_draft(self) -> draft_pb2.DraftCapabilities | None:
         """The draft's last known capabilities when they fit the target (for feature capture

@@ -109,39 +109,40 @@ async def calibrate(engine: TargetEngine, worker: TargetWorker, budget_s: float)
 
 async def _measure(engine: TargetEngine, worker: TargetWorker, seqs: int, block: int,
                    points: dict[int, float], lengths: dict[str, int]) -> None:
-    """A verify of `seqs` sequences x `block` tokens, submitted together. lengths: the
-    calibration sequences and their committed lengths; a new one, or one without room for
-    another block, is prefilled first (a Prefill replaces the one of the same id)."""
-    bos = worker.facts.bos_token_id
-    ids = [f"{PREFIX}{i}" for i in range(seqs)]
-    room = min(worker.facts.max_context, ROOM)
-    fresh = [i for i in ids if lengths.get(i, room) + block > room]
-    await asyncio.gather(*(engine.prefill(PrefillCall(i, [bos] * PROMPT, SamplingConfig(), (),
-                                                      torch.bfloat16)) for i in fresh))
-    lengths.update({i: PROMPT for i in fresh})
-    results = await asyncio.gather(*(engine.verify(i, [bos] * block) for i in ids))
-    for i, r in zip(ids, results):
-        lengths[i] = r.seq_len
-        if r.batch_tokens:
-            points[r.batch_tokens] = min(points.get(r.batch_tokens, float("inf")),
-                                         r.batch_seconds)
+    """A verify of `seqs` sequences x `block` tokens, submitted together."""
+    await _verify(engine, worker, [f"{PREFIX}{i}" for i in range(seqs)], block, None, points,
+                  lengths)
 
 
 async def _measure_tree(engine: TargetEngine, worker: TargetWorker, n: int,
                         points: dict[int, float], lengths: dict[str, int]) -> None:
     """REPEATS tree verifies of n drafts (a binary heap: node r's parent is (r - 1) // 2) on
-    the first calibration sequence, prefilled again when it lacks room."""
-    bos, seq = worker.facts.bos_token_id, f"{PREFIX}0"
+    the first calibration sequence."""
+    bos = worker.facts.bos_token_id
     tree = DraftTree([bos] * n, [(r - 1) // 2 for r in range(1, n + 1)])
     for _ in range(REPEATS):
-        if lengths.get(seq, ROOM) + n + 1 > min(worker.facts.max_context, ROOM):
-            await engine.prefill(PrefillCall(seq, [bos] * PROMPT, SamplingConfig(), (),
-                                             torch.bfloat16))
-            lengths[seq] = PROMPT
-        r = await engine.verify(seq, [bos] * (n + 1), tree)
-        lengths[seq] = r.seq_len
+        await _verify(engine, worker, [f"{PREFIX}0"], n + 1, tree, points, lengths)
+
+
+async def _verify(engine: TargetEngine, worker: TargetWorker, ids: list[str], block: int,
+                  tree: DraftTree | None, points: dict[int, float], lengths: dict[str, int]
+                  ) -> None:
+    """One verify of `block` tokens (a chain, or `tree`'s anchor + nodes) per sequence of ids,
+    submitted together; each forward's time kept in points[batch tokens] when it is the
+    fastest so far. lengths: the calibration sequences' committed lengths; a new one, or one
+    without room for the block, is prefilled first (a Prefill replaces the one of its id)."""
+    bos = worker.facts.bos_token_id
+    room = min(worker.facts.max_context, ROOM)
+    fresh = [i for i in ids if lengths.get(i, room) + block > room]
+    await asyncio.gather(*(engine.prefill(PrefillCall(i, [bos] * PROMPT, SamplingConfig(), (),
+                                                      torch.bfloat16)) for i in fresh))
+    lengths.update({i: PROMPT for i in fresh})
+    results = await asyncio.gather(*(engine.verify(i, [bos] * block, tree) for i in ids))
+    for i, r in zip(ids, results):
+        lengths[i] = r.seq_len
         if r.batch_tokens:
-            points[r.batch_tokens] = min(points.get(r.batch_tokens, float("inf")), r.batch_seconds)
+            points[r.batch_tokens] = min(points.get(r.batch_tokens, float("inf")),
+                                         r.batch_seconds)
 
 
 def _estimate(points: dict[int, float], tokens: int) -> float:
