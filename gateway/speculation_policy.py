@@ -1,18 +1,24 @@
-"""`--speculation auto`: every step, each request's chain length or tree size (0 drafts = verify
-the anchor alone) chosen from measured cost and acceptance (docs/adaptive-speculation.md).
+"""`--speculation auto`: every step, the chain length or tree size (0 drafts = verify the anchor
+alone) of the running batch, chosen from measured cost and acceptance
+(docs/adaptive-speculation.md).
 
-The whole batch's throughput is what counts. With the other running requests' last choices
-(their verify tokens T_rest and expected committed tokens E_rest), a request picks the shape s
-that maximises
+One shape for the whole batch, as TensorRT-LLM's batch-size -> draft-length table does (here
+measured, not written by hand): on a GPU a batch of mixed shapes loses the CUDA graph of each
+(chains of several lengths pad to the longest; trees and chains run as two forwards), and on a
+CPU every request's drafts compete for the same cores. For each candidate shape s, every running
+request r contributes its expected committed tokens E_r(s) (its own acceptance model, s clamped
+to what r may run: its room, its remaining tokens) and its verify tokens T_r(s); the batch's
+shape maximises
 
-    (E(s) + E_rest) / (overhead + propose * [s drafts] + verify(T_rest + 1 + drafts(s)))
+    sum_r E_r(s) / (overhead + propose * [s drafts] + verify(sum_r T_r(s)))
 
-from the cost model (gateway/cost_model.py) and its acceptance model
+from the cost model (gateway/cost_model.py) and the acceptance models
 (gateway/acceptance_model.py). Cheap verifies and high acceptance make longer blocks and bigger
 trees win; an expensive verify, low acceptance or a loaded batch make shorter ones win, down to
 no drafting. The choice only changes what is verified, never what is committed: the output is
 the target's whatever it picks. `choose` is the pure decision; `SpeculationPolicy` is the
-gateway-wide state around it (the cost model, the service's acceptance, the running choices)."""
+gateway-wide state around it (the cost model, the service's acceptance, the running requests'
+models), deciding once per batch step and answering each request with the batch's shape."""
 from __future__ import annotations
 
 import logging
@@ -52,22 +58,21 @@ NO_DRAFTING = Shape(0)
 class Option:
     shape: Shape
     expected: float                     # expected committed tokens of a step of this shape
+    batch_tokens: int = 0               # its verify tokens (0: shape.tokens; a batch: the sum)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_tokens or self.shape.tokens
 
 
-@dataclass(frozen=True)
-class Load:
-    """The rest of the batch: the other running requests' last choices."""
-    tokens: int = 0
-    expected: float = 0.0
-
-
-def choose(options: Iterable[Option], cost: CostModel, load: Load = Load()) -> Option:
-    """The option with the most committed tokens per second for the whole batch (ties: the
-    fewer drafts). options must include NO_DRAFTING."""
+def choose(options: Iterable[Option], cost: CostModel) -> Option:
+    """The option with the most committed tokens per second (ties: the fewer tokens). An option
+    is one request's shape, or a batch's (expected and tokens summed over its requests).
+    options must include NO_DRAFTING."""
     def rate(o: Option) -> float:
-        seconds = cost.step_s(load.tokens + o.shape.tokens, o.shape.drafts > 0, o.shape.tree)
-        return (o.expected + load.expected) / seconds if seconds > 0 else o.expected
-    return max(sorted(options, key=lambda o: o.shape.tokens), key=rate)
+        seconds = cost.step_s(o.tokens, o.shape.drafts > 0, o.shape.tree)
+        return o.expected / seconds if seconds > 0 else o.expected
+    return max(sorted(options, key=lambda o: o.tokens), key=rate)
 
 
 @dataclass(frozen=True)
@@ -79,12 +84,37 @@ class Limits:
     tree_depth: int                     # how deep a tree can go (the block's drafts)
 
 
+@dataclass
+class _Running:
+    """A running request as the batch decision sees it (refreshed at each of its decides)."""
+    limits: Limits
+    chain: list[float]                  # E(k) for chains of k = 0..limits.max_chain drafts
+    trees: dict[int, float]             # E of each tree size it may run
+
+
+def _running(acceptance: AcceptanceModel, limits: Limits) -> _Running:
+    return _Running(limits, acceptance.expected_by_depth(CHAIN, limits.max_chain),
+                    {n: acceptance.expected(n, acceptance.tree_depth(n, limits.tree_depth))
+                     for n in TREE_SIZES if n <= limits.max_tree})
+
+
+def fit(shape: Shape, limits: Limits) -> Shape:
+    """The batch's shape as one request may run it: a chain no longer than its room, a tree it
+    has no room for -> its longest chain."""
+    if shape.tree:
+        return shape if shape.drafts <= limits.max_tree else Shape(limits.max_chain)
+    return Shape(min(shape.drafts, limits.max_chain))
+
+
 class SpeculationPolicy:
     def __init__(self, curve: Iterable[tuple[int, float]] = (),
                  tree_curve: Iterable[tuple[int, float]] = ()) -> None:
         self.cost = CostModel(curve, tree_curve)
         self.service = ServiceAcceptance()
-        self._running: dict[str, Option] = {}
+        self._running: dict[str, _Running] = {}
+        self._batch = NO_DRAFTING       # the batch's shape, decided ...
+        self._batch_size = 0            # ... for this many running requests ...
+        self._since = 0                 # ... this many decides ago
         self._exported = float("-inf")
 
     @property
@@ -98,29 +128,45 @@ class SpeculationPolicy:
 
     def decide(self, request: str, acceptance: AcceptanceModel, limits: Limits,
                running: int = 1) -> Shape:
-        """This step's shape for `request` (its choice stays in the batch load until the next).
-        running: requests in the loop now, this one included; those that have not chosen yet
-        (just admitted) count as verifying their anchor alone."""
-        chain = acceptance.expected_by_depth(CHAIN, limits.max_chain)
-        options = [Option(Shape(k), chain[k]) for k in range(limits.max_chain + 1)]
-        for n in TREE_SIZES:
-            if n <= limits.max_tree:
-                depth = acceptance.tree_depth(n, limits.tree_depth)
-                options.append(Option(Shape(n, True), acceptance.expected(n, depth)))
-        others = [o for r, o in self._running.items() if r != request]
-        new = max(0, running - 1 - len(others))
-        load = Load(new + sum(o.shape.tokens for o in others),
-                    new + sum(o.expected for o in others))
-        best = choose(options, self.cost, load)
-        self._running[request] = best
+        """This step's shape for `request`: the batch's, fitted to its limits. The batch's shape
+        is decided again once per batch step (after as many decides as requests run) and when
+        the number running changes. running: requests in the loop now, this one included; those
+        that have not decided yet (just admitted) count as verifying their anchor alone."""
+        self._running[request] = _running(acceptance, limits)
+        size = max(running, len(self._running))
+        self._since += 1
+        if size != self._batch_size or self._since >= size:
+            new = _running(self.model(), limits)        # the undecided: the service's prior
+            self._batch = self._decide_batch(list(self._running.values())
+                                             + [new] * (size - len(self._running)))
+            self._batch_size, self._since = size, 0
+        return fit(self._batch, limits)
+
+    def _decide_batch(self, models: list[_Running]) -> Shape:
+        """The shape with the most committed tokens per second for the whole batch."""
+        longest = max(m.limits.max_chain for m in models)
+        shapes = [Shape(k) for k in range(longest + 1)]
+        shapes += [Shape(n, True) for n in TREE_SIZES if any(n in m.trees for m in models)]
+        options = [self._batch_option(s, models) for s in shapes]
+        best = choose(options, self.cost)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("speculation chosen", extra={
-                "seq": request, "shape": best.shape, "expected": round(best.expected, 2),
-                "load_tokens": load.tokens, "load_expected": round(load.expected, 2),
-                "options": " ".join(f"{o.shape.drafts}{'t' if o.shape.tree else ''}:"
-                                    f"{o.expected:.2f}/{self.cost.step_s(load.tokens + o.shape.tokens, o.shape.drafts > 0, o.shape.tree) * 1e3:.0f}ms"
-                                    for o in options)})
+                "shape": best.shape, "requests": len(models), "expected": round(best.expected, 2),
+                "options": " ".join(
+                    f"{o.shape.drafts}{'t' if o.shape.tree else ''}:{o.expected:.2f}/"
+                    f"{self.cost.step_s(o.tokens, o.shape.drafts > 0, o.shape.tree) * 1e3:.0f}ms"
+                    for o in options)})
         return best.shape
+
+    @staticmethod
+    def _batch_option(shape: Shape, models: list[_Running]) -> Option:
+        """The batch's committed tokens and verify tokens when every request runs `shape`."""
+        expected, tokens = 0.0, 0
+        for m in models:
+            own = fit(shape, m.limits)
+            expected += m.trees[own.drafts] if own.tree else m.chain[own.drafts]
+            tokens += own.tokens
+        return Option(shape, expected, tokens)
 
     def observe(self, acceptance: AcceptanceModel, shape: Shape, depth: int, accepted: int
                 ) -> None:

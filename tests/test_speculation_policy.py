@@ -12,7 +12,6 @@ from gateway.cost_model import CostModel, monotone_fit
 from gateway.speculation_policy import (
     NO_DRAFTING,
     Limits,
-    Load,
     Option,
     Shape,
     SpeculationPolicy,
@@ -60,13 +59,13 @@ def test_low_acceptance_chooses_a_shorter_block_or_none():
 
 
 def test_load_makes_no_drafting_win():
-    """Compute-bound verifies (linear in tokens) with 31 other requests in the batch: adding
-    drafts costs the whole batch more than they bring."""
+    """Compute-bound verifies (linear in tokens) for a batch of 32: drafts cost the whole batch
+    more than they bring, where one request alone gains from them."""
     c = cost([(1, 0.02), (32, 0.08), (512, 1.0)], propose=0.004)
-    alone = choose(chain_options(0.7), c)
-    loaded = choose(chain_options(0.7), c, Load(tokens=31 * 4, expected=31 * 2.0))
+    alone = choose(chain_options(0.5), c)
+    batch = [Option(o.shape, 32 * o.expected, 32 * o.shape.tokens) for o in chain_options(0.5)]
     assert alone.shape.drafts > 0
-    assert loaded.shape == NO_DRAFTING
+    assert choose(batch, c).shape == NO_DRAFTING
 
 
 def test_a_tree_wins_when_its_acceptance_pays_for_its_tokens():
@@ -137,8 +136,8 @@ def test_policy_counts_the_other_running_requests():
     limits = Limits(max_chain=3, max_tree=0, tree_depth=3)
     models = {f"r{i}": policy.model() for i in range(32)}
     for r, m in models.items():
-        for _ in range(30):
-            m.observe(CHAIN, 3, 1)
+        for i in range(30):
+            m.observe(CHAIN, 3, i % 2)         # half the first drafts accepted, no second
     alone = policy.decide("r0", models["r0"], limits)
     for r, m in models.items():
         policy.decide(r, m, limits)
@@ -180,11 +179,12 @@ def test_sizes_serving_never_runs_follow_the_observed_scale():
 
 
 def test_requests_that_have_not_chosen_yet_count_as_load():
+    """Just-admitted requests are in the batch too, with the service's acceptance."""
     policy = SpeculationPolicy([(1, 0.02), (32, 0.08), (512, 1.0)])
     policy.cost.propose_s = 0.004
     m = policy.model()
-    for _ in range(30):
-        m.observe(CHAIN, 3, 1)
+    for i in range(30):
+        m.observe(CHAIN, 3, i % 2)
     limits = Limits(max_chain=3, max_tree=0, tree_depth=3)
     assert policy.decide("r0", m, limits, running=1).drafts > 0
     assert policy.decide("r0", m, limits, running=32) == NO_DRAFTING
@@ -203,3 +203,54 @@ def test_trees_have_their_own_cost_curve():
     assert CostModel(chains).verify_s(8, tree=True) == CostModel(chains).verify_s(8)
     eager.observe_verify(8, 0.055, 0.06, tree=True)
     assert eager.verify_s(8) == pytest.approx(0.010)            # chains untouched
+
+
+def test_the_batch_runs_one_shape_fitted_to_each_request():
+    """A GPU loses its CUDA graphs on a batch of mixed shapes: every running request gets the
+    batch's shape, cut to what it may run (a request near its end: a shorter chain)."""
+    policy = SpeculationPolicy(flat_then_linear(64, 0.010, 0.0003))
+    policy.cost.propose_s = 0.001
+    sure, unsure = policy.model(), policy.model()
+    for _ in range(50):
+        sure.observe(CHAIN, 7, 7)
+        unsure.observe(CHAIN, 7, 1)
+    wide = Limits(max_chain=7, max_tree=0, tree_depth=7)
+    short = Limits(max_chain=2, max_tree=0, tree_depth=2)
+    a = policy.decide("sure", sure, wide, running=3)
+    b = policy.decide("unsure", unsure, wide, running=3)
+    c = policy.decide("end", policy.model(), short, running=3)
+    assert a == b and a.drafts > 2 and c == Shape(2)
+
+
+def test_fit_cuts_a_shape_to_a_request_s_limits():
+    from gateway.speculation_policy import fit
+    limits = Limits(max_chain=3, max_tree=7, tree_depth=3)
+    assert fit(Shape(8), limits) == Shape(3) and fit(Shape(2), limits) == Shape(2)
+    assert fit(Shape(7, True), limits) == Shape(7, True)
+    assert fit(Shape(15, True), limits) == Shape(3)            # no room for the tree: a chain
+
+
+def test_a_loaded_batch_of_sure_requests_still_drafts():
+    """One Propose serves the whole batch: 32 requests whose drafts are nearly always accepted
+    keep drafting on a GPU-like curve, where 32 of low acceptance stop."""
+    curve = flat_then_linear(128, 0.010, 0.0002)
+    for accepted, drafts in ((3, True), (0, False)):
+        policy = SpeculationPolicy(curve)
+        policy.cost.propose_s = 0.003
+        limits = Limits(max_chain=3, max_tree=0, tree_depth=3)
+        models = {f"r{i}": policy.model() for i in range(32)}
+        for m in models.values():
+            for _ in range(40):
+                m.observe(CHAIN, 3, accepted)
+        shapes = [policy.decide(r, m, limits, running=32) for r, m in models.items()]
+        assert len(set(shapes)) == 1 and (shapes[0].drafts > 0) == drafts
+
+
+def test_overhead_excludes_the_wait_in_the_target_queue():
+    """A Verify's round trip = its wait behind other batches + its forward + the overhead; the
+    wait is the others' load (the batch model counts it), not this step's overhead."""
+    c = CostModel([(1, 0.010), (16, 0.020)])
+    c.observe_verify(4, 0.012, wall_s=0.050, queue_s=0.030)
+    assert c.overhead_s == pytest.approx(0.008)
+    c.observe_verify(4, 0.012, wall_s=0.020)
+    assert c.overhead_s == pytest.approx(0.008 + 0.1 * (0.008 - 0.008))
