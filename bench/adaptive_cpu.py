@@ -84,6 +84,29 @@ def wait_ready(http_port: int, timeout: float = 300.0) -> None:
             time.sleep(0.5)
 
 
+def chosen(http_port: int) -> dict[str, tuple[float, float]]:
+    """The auto gateway's dflash_spec_verify_tokens_chosen: shape -> (steps, sum of tokens)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for i, suffix in enumerate(("_count{", "_sum{")):
+            if line.startswith("dflash_spec_verify_tokens_chosen" + suffix):
+                shape = line.split('shape="')[1].split('"')[0]
+                out.setdefault(shape, [0.0, 0.0])[i] = float(line.rsplit(" ", 1)[1])
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def chosen_delta(before: dict, after: dict) -> dict[str, dict]:
+    """Steps and mean verify tokens per shape between two scrapes."""
+    out = {}
+    for shape, (n, total) in after.items():
+        n0, t0 = before.get(shape, (0.0, 0.0))
+        if n > n0:
+            out[shape] = {"steps": int(n - n0), "mean_tokens": round((total - t0) / (n - n0), 2)}
+    return out
+
+
 def measure(args: argparse.Namespace, svc: Services, prompts: list[list[int]],
             labels: dict[str, list[str]], levels: tuple[int, ...]) -> dict:
     gateways = {}
@@ -95,12 +118,13 @@ def measure(args: argparse.Namespace, svc: Services, prompts: list[list[int]],
         wait_ready(http)
     for port, _ in gateways.values():                                   # warm-up (auto learns)
         asyncio.run(run(f"127.0.0.1:{port}", prompts[:2], 2, args.max_tokens))
-    rows, reference = [], None
+    rows, reference, auto_chosen = [], None, {}
     for c in levels:
         batch = [prompts[i % len(prompts)] for i in range(max(c, args.min_requests))]
         times: dict[str, list[float]] = {k: [] for k in labels}
         same: dict[str, int] = {}          # outputs equal to the autoregressive one's (bf16 on a
                                            # GPU is not batch-invariant: near-ties may flip)
+        before = chosen(gateways[AUTO][1])
         for _ in range(args.rounds):
             for label, (port, _) in gateways.items():
                 outputs, seconds = asyncio.run(run(f"127.0.0.1:{port}", batch, c, args.max_tokens))
@@ -111,6 +135,7 @@ def measure(args: argparse.Namespace, svc: Services, prompts: list[list[int]],
                                          f"autoregressive one")
                 same[label] = same.get(label, 0) + sum(o == r for o, r in zip(outputs, reference))
                 times[label].append(seconds)
+        auto_chosen[c] = chosen_delta(before, chosen(gateways[AUTO][1]))
         tokens = len(batch) * args.max_tokens
         for label, ts in times.items():
             rows.append({"config": label, "concurrency": c, "requests": len(batch),
@@ -118,7 +143,10 @@ def measure(args: argparse.Namespace, svc: Services, prompts: list[list[int]],
                          "tokens_per_s": round(tokens / statistics.median(ts), 2),
                          "identical_outputs": f"{same[label]}/{len(batch) * len(ts)}"})
             print(rows[-1], flush=True)
-    return {"rows": rows, "summary": summary(rows, levels)}
+    out = summary(rows, levels)
+    for s in out:
+        s["auto_chosen"] = auto_chosen[s["concurrency"]]
+    return {"rows": rows, "summary": out}
 
 
 def summary(rows: list[dict], levels: tuple[int, ...]) -> list[dict]:
@@ -158,11 +186,15 @@ def markdown(r: dict) -> str:
         cells = [f"{by[label, c]:.1f}" for c in levels]
         lines.append(f"| {'**auto**' if label == AUTO else label} | " + " | ".join(cells) + " |")
     lines += ["", ("| at once | auto | best fixed | auto / best (goal >= 0.95) | auto / "
-                   "autoregressive (goal >= 1) | met |"), "|---|---|---|---|---|---|"]
+                   "autoregressive (goal >= 1) | met | auto chose (steps: mean verify tokens) |"),
+              "|---|---|---|---|---|---|---|"]
     for s in r["summary"]:
+        picks = ", ".join(f"{k} {v['steps']}: {v['mean_tokens']:.1f}"
+                          for k, v in s.get("auto_chosen", {}).items()) or "-"
         lines.append(f"| {s['concurrency']} | {s['auto']:.1f} | {s['best']} "
                      f"({s['best_tokens_per_s']:.1f}) | {s['auto_vs_best']:.2f} | "
-                     f"{s['auto_vs_autoregressive']:.2f} | {'yes' if s['met'] else 'no'} |")
+                     f"{s['auto_vs_autoregressive']:.2f} | {'yes' if s['met'] else 'no'} | "
+                     f"{picks} |")
     return "\n".join(lines + ["", GPU_NOTES if gpu else NOTES]) + "\n"
 
 

@@ -146,6 +146,8 @@ def adaptive_cpu(d: dict) -> None:
     assert configs == {"autoregressive", "chain 4", "tree 7", "auto"}
     positive(*(r["tokens_per_s"] for r in d["rows"]))
     assert [s["concurrency"] for s in d["summary"]] == [1, 2]
+    for s in d["summary"]:                  # auto's choices, scraped from its gateway's metrics
+        assert sum(v["steps"] for v in s["auto_chosen"].values()) > 0
 
 
 def spec_load_cpu(d: dict) -> None:
