@@ -11,8 +11,13 @@ autoregressive one's (speculation never changes greedy output). The goal (issue 
 
 Writes bench/results/adaptive_cpu.json, docs/adaptive_cpu.png and the "Adaptive speculation
 (CPU)" section of docs/benchmarks.md. --device cuda: the same on a GPU (bf16, triton, CUDA
-graphs; pass --levels 1,2,4,8,16,32 and --out/--doc/--plot elsewhere). --tiny: autoregressive, one chain, one tree and auto at 1
-and 2 requests, 8 tokens (a smoke test; outputs default to a temporary folder)."""
+graphs; pass --levels 1,2,4,8,16,32 and --out/--doc/--plot elsewhere). --shape qwen3-8b: a
+Qwen3-8B-shaped target with random bf16 weights and a DFlash-shaped drafter (5 layers, block 16),
+chains only, whose acceptance is forced by position (--force-profile, the target's benchmark
+hook: draft d accepted with probability P_d once d - 1 were; the output is not the target's, so
+it is not compared; its own section). --tiny: autoregressive, one chain, one tree and auto at 1
+and 2 requests, 8 tokens (a smoke test; outputs default to a temporary folder; with --shape
+qwen3-8b a tiny shape of it on the CPU)."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +39,10 @@ from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SECTION = "## Adaptive speculation (CPU)"
 GPU_SECTION = "## Adaptive speculation (GPU)"
+SHAPE_SECTION = "## Adaptive speculation (GPU, Qwen3-8B shape, forced acceptance profile)"
+PROFILE = "0.95,0.9,0.9,0.85,0.85,0.8,0.8,0.75,0.7,0.65,0.6,0.55,0.5,0.45,0.4"
+SMOLLM2 = ("SmolLM2-135M-Instruct {dtype}, the shipped drafter; every output token-identical to the "
+           "autoregressive one")
 LEVELS = (1, 2, 4, 8)
 CHAINS = (2, 3, 4, 5, 6, 8, 10, 12, 16)
 TREES = (7, 15, 63)
@@ -130,7 +139,7 @@ def measure(args: argparse.Namespace, svc: Services, prompts: list[list[int]],
                 outputs, seconds = asyncio.run(run(f"127.0.0.1:{port}", batch, c, args.max_tokens))
                 if label == AR:
                     reference = outputs
-                elif outputs != reference and args.device == "cpu":
+                elif outputs != reference and args.device == "cpu" and not args.force_profile:
                     raise AssertionError(f"{label} at {c} requests: output differs from the "
                                          f"autoregressive one")
                 same[label] = same.get(label, 0) + sum(o == r for o, r in zip(outputs, reference))
@@ -163,22 +172,44 @@ def summary(rows: list[dict], levels: tuple[int, ...]) -> list[dict]:
     return out
 
 
+def section(r: dict) -> str:
+    return section_for(r.get("device", "cpu"), r.get("shape", "smollm2"))
+
+
+def section_for(device: str, shape: str) -> str:
+    if shape != "smollm2":
+        return SHAPE_SECTION
+    return GPU_SECTION if device != "cpu" else SECTION
+
+
+def setup(r: dict) -> str:
+    """What ran, for the section's first paragraph."""
+    if r.get("shape", "smollm2") != "smollm2":
+        from dflash.harness import ForcedProfile
+        f = ForcedProfile(r["force_profile"])
+        return (f"a Qwen3-8B-shaped target (random {r['dtype']} weights) and a DFlash-shaped drafter (5 "
+                f"layers, block 16), chains only, acceptance forced by position (P_d = "
+                f"{r['force_profile']}: committed tokens per step "
+                + ", ".join(f"{f.expected(k):.2f} for {k} drafts" for k in (1, 3, 7, 15))
+                + "); the output is not the target's (not compared)")
+    same = ("outputs equal to the autoregressive one's where bf16 allows (`identical_outputs` "
+            "in the JSON; bf16 on a GPU is not batch-invariant)" if r.get("device", "cpu") != "cpu"
+            else "every output token-identical to the autoregressive one")
+    return f"SmolLM2-135M-Instruct {r.get('dtype', 'float32')}, the shipped drafter; {same}"
+
+
 def markdown(r: dict) -> str:
     m, levels = r["machine"], r["levels"]
     gpu = r.get("device", "cpu") != "cpu"
     where = (f"{r.get('gpu')} ({r['dtype']}, triton, CUDA graphs), torch {m['torch']}" if gpu
              else f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}")
-    lines = [GPU_SECTION if gpu else SECTION, "",
+    lines = [section(r), "",
              (f"`{r['command']}` (results: `{r.get('json', 'bench/results/adaptive_cpu.json')}`, "
               f"plot: `{r.get('plot', 'docs/adaptive_cpu.png')}`). Machine: {where}; {r['date']}. "
               f"Output tokens/s over {r['requests_min']}+ greedy "
               f"requests of {r['max_tokens']} tokens (EOS ignored) per level through each "
-              f"configuration's own gateway on one target + draft (SmolLM2-135M-Instruct "
-              f"{r.get('dtype', 'float32')}, "
-              f"the shipped drafter), median of {r['rounds']} interleaved rounds; "
-              + ("outputs equal to the autoregressive one's where bf16 allows (`identical_outputs` "
-                 "in the JSON; bf16 on a GPU is not batch-invariant)." if gpu else
-                 "every output token-identical to the autoregressive one.")), "",
+              f"configuration's own gateway on one target + draft ({setup(r)}), median of "
+              f"{r['rounds']} interleaved rounds."), "",
              "| configuration | " + " | ".join(f"{c} at once" for c in levels) + " |",
              "|---|" + "---|" * len(levels)]
     by = {(row["config"], row["concurrency"]): row["tokens_per_s"] for row in r["rows"]}
@@ -195,7 +226,8 @@ def markdown(r: dict) -> str:
                      f"({s['best_tokens_per_s']:.1f}) | {s['auto_vs_best']:.2f} | "
                      f"{s['auto_vs_autoregressive']:.2f} | {'yes' if s['met'] else 'no'} | "
                      f"{picks} |")
-    return "\n".join(lines + ["", GPU_NOTES if gpu else NOTES]) + "\n"
+    notes = {SECTION: NOTES, GPU_SECTION: GPU_NOTES, SHAPE_SECTION: SHAPE_NOTES}[section(r)]
+    return "\n".join(lines + ["", notes]) + "\n"
 
 
 NOTES = """Reading it: auto follows the best shape as load changes - trees of 7 at 1 and 2 requests
@@ -220,6 +252,10 @@ chose trees of 7 and fell to 0.40x at 8 requests. Machine load differed between 
 (autoregressive at 1 request: 322 tokens/s in the first, 218 in this one)."""
 
 
+SHAPE_NOTES = """Reading it: with a forced acceptance that falls with the draft's position, the best fixed
+chain depends on the load; auto has to find it from what it measures."""
+
+
 def plot(r: dict, out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -234,6 +270,8 @@ def plot(r: dict, out: Path) -> None:
     ax.set_xlabel("requests at once")
     ax.set_ylabel("output tokens/s")
     where = r["machine"]["cpu"] if r.get("device", "cpu") == "cpu" else r.get("gpu", r["device"])
+    if r.get("shape", "smollm2") != "smollm2":
+        where += f", {r['shape']} shape, forced acceptance"
     ax.set_title(f"--speculation auto vs fixed sizes ({where})", fontsize=9)
     ax.legend(fontsize=6, ncol=3)
     fig.tight_layout()
@@ -251,11 +289,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trees", default=",".join(map(str, TREES)))
     p.add_argument("--plot", default="docs/adaptive_cpu.png")
     p.add_argument("--device", default="cpu", help="cpu | cuda (then bf16 and triton)")
+    p.add_argument("--shape", default="smollm2", choices=("smollm2", "qwen3-8b"))
+    p.add_argument("--force-profile", default="",
+                   help=f"--shape qwen3-8b: P1,P2,.. (default {PROFILE})")
     add_output_flags(p, "adaptive_cpu")
     add_tiny_flag(p)
     args = p.parse_args(argv)
     tiny_outputs(args, p, "adaptive_cpu")
-    if render_only(args, SECTION if args.device == "cpu" else GPU_SECTION, markdown):
+    if render_only(args, section_for(args.device, args.shape), markdown):
         return
     levels = tuple(int(x) for x in args.levels.split(","))
     chains = tuple(int(x) for x in args.chains.split(",") if x)
@@ -263,9 +304,35 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:
         levels, chains, trees, args.max_tokens, args.min_requests = (1, 2), (4,), (7,), 8, 2
         args.plot = str(Path(args.out).with_suffix(".png"))
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
+                    "command": "python -m bench.adaptive_cpu " + " ".join(argv or sys.argv[1:]),
+                    "max_tokens": args.max_tokens, "requests_min": args.min_requests,
+                    "rounds": args.rounds, "levels": list(levels), "device": args.device,
+                    "dtype": dtype, "shape": args.shape}
+    if args.tiny:
+        result.update(tiny_fields())
+    if args.device != "cpu":
+        import torch
+        result["gpu"] = torch.cuda.get_device_name(args.device)
+    with tempfile.TemporaryDirectory(prefix="bench-adaptive-") as tmp:
+        if args.shape == "smollm2":
+            prompts, options = smollm2_stack(args, dtype)
+        else:
+            args.force_profile = result["force_profile"] = args.force_profile or PROFILE
+            trees = ()                          # forced acceptance is a chain's
+            prompts, options = shaped_stack(args, dtype, Path(tmp))
+        with Services("dflash", Path(tmp) / "logs", speculation="auto", **options) as svc:
+            result.update(measure(args, svc, prompts, configs(chains, trees), levels))
+    save(result, Path(args.out), Path(args.doc), section(result), markdown)
+    plot(result, Path(args.plot))
+    print(markdown(result))
+
+
+def smollm2_stack(args: argparse.Namespace, dtype: str) -> tuple[list[list[int]], dict]:
+    """SmolLM2 as `dflash up` runs it (the shipped drafter): chat prompts, the stack's options."""
     from dflash.prepare.smollm2 import prepare_smollm2
     from runtime.tokenizer import ChatTokenizer
-    dtype = "float32" if args.device == "cpu" else "bfloat16"
     model_dir = prepare_smollm2([dtype], progress=False)[dtype]
     tok = ChatTokenizer(model_dir)
     options = {} if args.device == "cpu" else {
@@ -273,23 +340,33 @@ def main(argv: list[str] | None = None) -> None:
         "model_dir": str(model_dir), "ready_timeout_s": 900}
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))
                for t in CHATS + COPY_TASKS]
-    result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
-                    "command": "python -m bench.adaptive_cpu " + " ".join(argv or sys.argv[1:]),
-                    "max_tokens": args.max_tokens, "requests_min": args.min_requests,
-                    "rounds": args.rounds, "levels": list(levels), "device": args.device,
-                    "dtype": dtype}
-    if args.tiny:
-        result.update(tiny_fields())
-    if args.device != "cpu":
-        import torch
-        result["gpu"] = torch.cuda.get_device_name(args.device)
-    with tempfile.TemporaryDirectory(prefix="bench-adaptive-") as tmp, \
-            Services("dflash", Path(tmp), speculation="auto", **options) as svc:
-        result.update(measure(args, svc, prompts, configs(chains, trees), levels))
-    save(result, Path(args.out), Path(args.doc), SECTION if args.device == "cpu" else GPU_SECTION,
-         markdown)
-    plot(result, Path(args.plot))
-    print(markdown(result))
+    return prompts, options
+
+
+def shaped_stack(args: argparse.Namespace, dtype: str, root: Path
+                 ) -> tuple[list[list[int]], dict]:
+    """The Qwen3-8B shape (random weights; --tiny: a tiny shape of it on the CPU) with a
+    DFlash-shaped drafter and the forced acceptance profile: random prompts, the options."""
+    import torch
+
+    from bench.h200_micro import QWEN3_8B, TINY, copy_tokenizer, write_model_dirs
+    from dflash.harness import HookFlags
+    tiny = args.device == "cpu"
+    taps = [1, 2, 3, 4, 5] if tiny else [1, 9, 17, 25, 33]
+    tdir, ddir = write_model_dirs(root / "models", TINY if tiny else QWEN3_8B, taps)
+    copy_tokenizer(tdir)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (64,), generator=g).tolist() for _ in range(32)]
+    options = {
+        "device": args.device, "dtype": dtype, "attention_backend": "torch" if tiny else "triton",
+        "model_dir": str(tdir), "draft_model": str(ddir), "ready_timeout_s": 900,
+        "target_args": ("--kv-budget", "64MiB" if tiny else "40GiB", "--max-block-size", "16",
+                        "--graph-capture-layers", ",".join(map(str, taps)),
+                        "--token-budget", "2048"),
+        "draft_args": ("--kv-budget", "32MiB" if tiny else "6GiB", "--token-budget", "8192"),
+        "target_hooks": HookFlags(random_weights=True, force_profile=args.force_profile),
+        "draft_hooks": HookFlags(random_weights=True)}
+    return prompts, options
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from bench.h200_micro import (
     TINY,
     Recorder,
     copy_bandwidth,
+    copy_tokenizer,
     guarded,
     write_model_dirs,
 )
@@ -499,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     ttft_lens = [64] if args.tiny else args.ttft_lens
     tdir, ddir = write_model_dirs(out / "models" if args.tiny
                                   else Path("/tmp/gpu_side_by_side_models"), shape, taps)
-    _tokenizer_into(tdir)
+    copy_tokenizer(tdir)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 500, (prompt_len,), generator=g).tolist() for _ in range(64)]
     ttft_prompts = {n: torch.randint(0, 500, (n,), generator=g).tolist() for n in ttft_lens}
@@ -587,21 +588,6 @@ def _stack_part(tdir, ddir, args, out, taps, tau, prompts, max_tokens, levels, t
             shutil.copy(log, out / f"{name}-{log.name}")
     info["features_travel"] = features_travel(out / f"logs-{name}")
     return info
-
-
-def _tokenizer_into(tdir: Path) -> None:
-    """The gateway needs a tokenizer.json to start; token ids travel as ids (random weights
-    produce ids it may not decode: text is irrelevant here). SmolLM2's, where it is found."""
-    from runtime.home import models_home
-    for candidate in (Path(os.environ.get("DFLASH_BENCH_TOKENIZER", "")),
-                      Path(".gpu_tok"),
-                      models_home() / "models/smollm2-135m-instruct/float32"):
-        if (candidate / "tokenizer.json").is_file():
-            for name in ("tokenizer.json", "tokenizer_config.json"):
-                if (candidate / name).is_file():
-                    shutil.copy(candidate / name, tdir / name)
-            return
-    raise FileNotFoundError("no tokenizer.json: set DFLASH_BENCH_TOKENIZER to a directory with one")
 
 
 if __name__ == "__main__":

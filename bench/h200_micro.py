@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -72,6 +73,21 @@ def write_model_dirs(root: Path, target_cfg: dict, taps: list[int]) -> tuple[Pat
     save_file({"fc.weight": torch.zeros(h, len(taps) * h, dtype=torch.bfloat16)},
               str(ddir / "model.safetensors"))
     return tdir, ddir
+
+
+def copy_tokenizer(tdir: Path) -> None:
+    """The gateway needs a tokenizer.json to start; token ids travel as ids (random weights
+    produce ids it may not decode: text is irrelevant here). SmolLM2's, where it is found."""
+    from runtime.home import models_home
+    for candidate in (Path(os.environ.get("DFLASH_BENCH_TOKENIZER", "")),
+                      Path(".gpu_tok"),
+                      models_home() / "models/smollm2-135m-instruct/float32"):
+        if (candidate / "tokenizer.json").is_file():
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                if (candidate / name).is_file():
+                    shutil.copy(candidate / name, tdir / name)
+            return
+    raise FileNotFoundError("no tokenizer.json: set DFLASH_BENCH_TOKENIZER to a directory with one")
 
 
 def copy_bandwidth(device: str) -> float:

@@ -3,7 +3,8 @@
     python -m dflash.harness target [HOOKS] -- SERVICE FLAGS     (as python -m services.target)
     python -m dflash.harness draft  [HOOKS] -- SERVICE FLAGS     (as python -m services.draft)
 
-HOOKS: --warmup-delay S, --random-weights (both); target only: --force-tau T, --hybrid-wrapper,
+HOOKS: --warmup-delay S, --random-weights (both); target only: --force-tau T,
+--force-profile P1,P2,.. (conditional acceptance by draft position), --hybrid-wrapper,
 --no-mamba-commit, --skip-mamba-commit. (TargetHooks.nan_logits_for is for in-process tests.) The services themselves read no such flag or
 environment variable: a deployment cannot switch them on. Every hook in use is logged loudly."""
 from __future__ import annotations
@@ -35,6 +36,37 @@ class ForcedAcceptance:
         return min(a, num_drafts)
 
 
+class ForcedProfile:
+    """Benchmarks: a chain's drafts accepted position by position, draft d (1-based) with
+    probability p[d - 1] once d - 1 were (the last p repeats), like a drafter that is surer of
+    its first drafts than of its last - an acceptance that depends on the block, so adaptive
+    speculation has something to learn. The output is NOT the target's: speed only."""
+
+    def __init__(self, profile: str, seed: int = 0) -> None:
+        try:
+            self.p = [float(x) for x in profile.split(",")]
+        except ValueError:
+            self.p = []
+        if not self.p or not all(0.0 <= p <= 1.0 for p in self.p):
+            raise ValueError(f"a forced profile is comma-separated probabilities in [0, 1], "
+                             f"got {profile!r}")
+        self.rng = random.Random(seed)
+
+    def accepted(self, num_drafts: int) -> int:
+        a = 0
+        while a < num_drafts and self.rng.random() < self.p[min(a, len(self.p) - 1)]:
+            a += 1
+        return a
+
+    def expected(self, num_drafts: int) -> float:
+        """Mean committed tokens of a step with num_drafts drafts (the bonus included)."""
+        out, reach = 1.0, 1.0
+        for d in range(num_drafts):
+            reach *= self.p[min(d, len(self.p) - 1)]
+            out += reach
+        return out
+
+
 @dataclass(frozen=True)
 class HookFlags:
     """The hooks as command-line flags (what a Stack or a test passes to this module). Each
@@ -42,6 +74,7 @@ class HookFlags:
     warmup_delay_s: float = 0.0
     random_weights: bool = False
     force_tau: float = 0.0              # 0 = the target's own acceptance
+    force_profile: str = ""             # "" = the target's own acceptance
     hybrid_wrapper: bool = False
     no_mamba_commit: bool = False
     skip_mamba_commit: bool = False
@@ -69,10 +102,17 @@ class HookFlags:
             hybrid_wrapper=self.hybrid_wrapper, mamba_commit=not self.no_mamba_commit,
             skip_mamba_commit=self.skip_mamba_commit,
             fail_cost_calibration=self.fail_cost_calibration,
-            forced_acceptance=ForcedAcceptance(self.force_tau) if self.force_tau else None)
+            forced_acceptance=self._forced())
+
+    def _forced(self) -> ForcedAcceptance | ForcedProfile | None:
+        if self.force_tau and self.force_profile:
+            raise ValueError("--force-tau and --force-profile: one or the other")
+        if self.force_profile:
+            return ForcedProfile(self.force_profile)
+        return ForcedAcceptance(self.force_tau) if self.force_tau else None
 
     def draft_hooks(self) -> ServiceHooks:
-        target_only = ("force_tau", "hybrid_wrapper", "no_mamba_commit", "skip_mamba_commit",
+        target_only = ("force_tau", "force_profile", "hybrid_wrapper", "no_mamba_commit", "skip_mamba_commit",
                        "fail_cost_calibration")
         used = [k for k in target_only if getattr(self, k) != getattr(HookFlags(), k)]
         if used:
@@ -85,6 +125,8 @@ FLAG_HELP = {
     "warmup_delay_s": "extra seconds of warm-up",
     "random_weights": "random weights, not loaded",
     "force_tau": "target: accept drafts so that the mean committed tokens per step is T",
+    "force_profile": "target: accept draft d of a chain with probability P_d once d - 1 were "
+                     "(comma-separated; the last repeats)",
     "hybrid_wrapper": "target: wrap a dense model's backend in the hybrid wrapper",
     "no_mamba_commit": "target: a hybrid backend that cannot commit recurrent state",
     "skip_mamba_commit": "target: advertise the mamba commit and skip it (WRONG output)",
@@ -108,6 +150,8 @@ def parse(argv: list[str]) -> tuple[str, HookFlags, list[str]]:
     for f in fields(HookFlags):
         if f.type == "bool":
             p.add_argument(_flag(f.name), dest=f.name, action="store_true", help=FLAG_HELP[f.name])
+        elif f.type == "str":
+            p.add_argument(_flag(f.name), dest=f.name, default=f.default, help=FLAG_HELP[f.name])
         else:
             p.add_argument(_flag(f.name), dest=f.name, type=float, default=f.default,
                            help=FLAG_HELP[f.name])

@@ -150,6 +150,13 @@ def adaptive_cpu(d: dict) -> None:
         assert sum(v["steps"] for v in s["auto_chosen"].values()) > 0
 
 
+def adaptive_shape(d: dict) -> None:
+    """--shape qwen3-8b: chains only (the forced acceptance is a chain's), the profile recorded."""
+    assert d["shape"] == "qwen3-8b" and d["force_profile"]
+    assert {r["config"] for r in d["rows"]} == {"autoregressive", "chain 4", "auto"}
+    positive(*(r["tokens_per_s"] for r in d["rows"]))
+
+
 def spec_load_cpu(d: dict) -> None:
     assert len(d["configs"]) == 2 and d["levels"] == [1, 2]
     for rows in d["configs"].values():
@@ -225,6 +232,9 @@ class Bench:
 
 BENCHES = [
     Bench("adaptive_cpu", adaptive_cpu, "## Adaptive speculation (CPU)"),
+    Bench("adaptive_cpu", adaptive_shape,
+          "## Adaptive speculation (GPU, Qwen3-8B shape, forced acceptance profile)",
+          extra=("--shape", "qwen3-8b")),
     Bench("anchor_positions", anchor_positions),
     Bench("cpu_gemm", cpu_gemm, "## CPU compute: GEMM and threads"),
     Bench("draft_cpu", draft_cpu),
@@ -265,7 +275,7 @@ def test_every_benchmark_module_has_a_smoke_test():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bench", BENCHES, ids=lambda b: b.module)
+@pytest.mark.parametrize("bench", BENCHES, ids=lambda b: " ".join((b.module, *b.extra)))
 def test_benchmark_tiny_mode_measures_and_writes_its_json(bench, smollm2_dir, tmp_path):
     run(bench.argv(tmp_path))
     data = json.loads(bench.json_path(tmp_path).read_text())

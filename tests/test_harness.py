@@ -14,7 +14,7 @@ from support.procs import start_target
 from support.target_client import TargetClient
 from support.tiny_models import make_tiny
 
-from dflash.harness import ForcedAcceptance, HookFlags, parse
+from dflash.harness import ForcedAcceptance, ForcedProfile, HookFlags, parse
 from runtime.sampling import SamplingConfig
 from services.target.engine import PrefillCall
 from services.target.hooks import TargetHooks
@@ -78,6 +78,28 @@ def test_forced_acceptance_is_clamped_to_the_drafts():
     assert {f.accepted(15) for _ in range(200)} == {5, 6}
 
 
+def test_forced_profile_accepts_position_by_position():
+    """Draft d accepted with probability p_d once d - 1 were: the mean over many steps matches
+    the profile's expectation, a 0 stops the chain there, and the count never passes the drafts."""
+    f = ForcedProfile("0.9,0.8,0.5")
+    steps = [f.accepted(6) for _ in range(20000)]
+    assert max(steps) <= 6
+    assert 1 + sum(steps) / len(steps) == pytest.approx(f.expected(6), rel=0.03)
+    assert f.expected(2) == pytest.approx(1 + 0.9 + 0.72)
+    assert {ForcedProfile("1,1,0").accepted(8) for _ in range(20)} == {2}
+
+
+@pytest.mark.parametrize("bad", ["", "0.9,x", "1.5", "-0.1"])
+def test_bad_forced_profile_is_refused(bad):
+    with pytest.raises(ValueError, match="comma-separated probabilities"):
+        ForcedProfile(bad)
+
+
+def test_force_tau_and_profile_are_exclusive():
+    with pytest.raises(ValueError, match="one or the other"):
+        HookFlags(force_tau=3.0, force_profile="0.5").target_hooks()
+
+
 def test_hook_flags_round_trip_through_the_command_line():
     flags = HookFlags(warmup_delay_s=2.5, random_weights=True, force_tau=6.4, no_mamba_commit=True)
     role, parsed, service_argv = parse(["target", *flags.argv(), "--", "--model", "m"])
@@ -86,6 +108,9 @@ def test_hook_flags_round_trip_through_the_command_line():
     assert hooks.random_weights and not hooks.mamba_commit and hooks.warmup_delay_s == 2.5
     assert hooks.forced_acceptance.tau == 6.4
     assert HookFlags().argv() == []
+    profiled = HookFlags(force_profile="0.9,0.7")
+    assert parse(["target", *profiled.argv()])[1] == profiled
+    assert profiled.target_hooks().forced_acceptance.p == [0.9, 0.7]
     with pytest.raises(ValueError, match="target-only hooks given to a draft"):
         HookFlags(force_tau=3.0).draft_hooks()
 
