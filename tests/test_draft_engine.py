@@ -154,3 +154,38 @@ def test_out_of_pages_fails_only_that_sequence(tiny_draft, tiny_qwen3_dir):
         assert engine.drafter.cache.used_pages == 1
     finally:
         engine.stop()
+
+
+class _CapturedBlock:
+    """Stands for a CUDA graph captured at the drafter's block (on the CPU nothing is captured):
+    its q_len is what the drafter pads shorter chains to; it never runs (can_run False), so the
+    padded block runs on the eager path - the same forward the graph holds."""
+    q_len = 8
+
+    def can_run(self, slices) -> bool:
+        return False
+
+
+def test_a_shorter_chain_runs_at_the_captured_block_and_is_cut(tiny_draft, tiny_qwen3_dir):
+    """On a GPU only the drafter's own block has a CUDA graph, and auto speculation asks for
+    every chain length: a shorter chain runs at the captured block (its K/V room reserved for
+    it) and returns the first drafts asked for - those of the full block."""
+    full = start_engine(tiny_draft, tiny_qwen3_dir)
+    padded = start_engine(tiny_draft, tiny_qwen3_dir)
+    padded.drafter._graph = _CapturedBlock()
+    try:
+        def with_block(c: ProposeCall, block: int) -> ProposeCall:
+            return ProposeCall(c.seq_id, c.start, c.num_new, c.features, c.token_ids, c.anchor,
+                               block)
+
+        async def scenario():
+            for c in calls(7):
+                whole = await full.propose(c)
+                cut = await padded.propose(with_block(c, 3))
+                assert len(whole.draft_tokens) == 7 and cut.draft_tokens == whole.draft_tokens[:2]
+            return padded.drafter.cache.usage()
+
+        assert asyncio.run(scenario()) > 0
+    finally:
+        full.stop()
+        padded.stop()

@@ -56,7 +56,8 @@ async def _run(engine: TargetEngine, steps: int) -> list:
         pages = {s: len(engine.seqs[s].table.pages) for s in blocks}
         for s, r in zip(blocks, results):
             anchors[s] = r.committed[-1]
-            seen.append((s, r.accepted, r.committed, r.seq_len, r.features, pages[s]))
+            seen.append((s, r.accepted, r.committed, r.seq_len, r.features, pages[s],
+                         r.batch_tokens))
     for s in PROMPTS:
         await engine.release(s)
     return seen
@@ -72,8 +73,9 @@ def test_padded_verifies_equal_unpadded(engines):
     padding = 4 * sum(16 - n for n in BLOCKS.values())
     assert (padded.stats.tokens - t1) - (plain.stats.tokens - t0) == padding
     assert len(got) == len(expected) == 16
-    for (s, a, c, n, f, pages), (s2, a2, c2, n2, f2, pages2) in zip(expected, got):
+    for (s, a, c, n, f, pages, t), (s2, a2, c2, n2, f2, pages2, t2) in zip(expected, got):
         assert (s, a, c, n, pages) == (s2, a2, c2, n2, pages2)
+        assert t == t2 == sum(BLOCKS.values())      # the cost model's tokens: no padding rows
         assert f.shape == f2.shape == (a + 1, len(LAYERS) * 64)
         torch.testing.assert_close(f, f2, rtol=1e-4, atol=1e-4)
     assert padded.worker.kv_cache.usage() == 0

@@ -13,7 +13,7 @@ Per engine iteration, over all sequences of the batch:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -134,8 +134,19 @@ class DFlashDrafter(Drafter):
 
     # -- engine thread -----------------------------------------------------------------------
     def reserve(self, item: ProposeItem) -> None:
-        block = item.block_size if item.block_size > 1 else 0
+        block = self._run_block(item) if item.block_size > 1 else 0
         self.cache.ensure(item.seq.table, item.context_len + block)
+
+    def _run_block(self, item: ProposeItem) -> int:
+        """The block a chain runs at: the captured graph's when it asks for a shorter one that
+        the context has room for (its drafts are cut to the ones asked: on a GPU the captured
+        full block costs less than a shorter one run eagerly, and adaptive speculation asks for
+        every length), else its own."""
+        graph = self._graph
+        if (graph is not None and not item.tree_nodes and 1 < item.block_size < graph.q_len
+                and item.context_len + graph.q_len <= self.facts.max_context):
+            return graph.q_len
+        return item.block_size
 
     def release(self, seq) -> None:
         self.cache.release(seq.table)
@@ -170,6 +181,12 @@ class DFlashDrafter(Drafter):
         log.info("draft cuda graphs ready", extra={"block_size": block})
 
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
+        runs = [replace(i, block_size=self._run_block(i)) for i in items]
+        out = self._propose(runs)
+        return [t if len(t.tokens) < i.block_size or not t.is_chain
+                else DraftTree.chain(t.tokens[: i.block_size - 1]) for i, t in zip(items, out)]
+
+    def _propose(self, items: list[ProposeItem]) -> list[DraftTree]:
         trees = any(i.tree_nodes for i in items)
         runner = self._graph_for(items, self._tree_graph if trees else self._graph)
         if runner is None:
