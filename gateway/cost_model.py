@@ -1,10 +1,11 @@
 """What a speculative step costs, as the gateway's `--speculation auto` sees it
 (gateway/speculation_policy.py; docs/adaptive-speculation.md).
 
-    step(request) = overhead + (propose if it drafts) + verify(tokens of the whole batch)
+    step = overhead + (propose if it drafts) + verify(rows of the whole batch)
 
-- verify(T): the target's forward time for a batch of T tokens, one curve for chains and one
-  for trees (their own kernels, and CUDA graphs of some tree sizes only: another size runs
+- verify(T): the target's forward time for a batch of T rows (its tokens; on a GPU a batch of
+  chains is padded to a captured block, TargetCapabilities.verify_padded_blocks, so chains of
+  2 and 16 tokens cost the same), one curve for chains and one for trees (their own kernels, and CUDA graphs of some tree sizes only: another size runs
   eagerly). It starts from the curves the target measured at warm-up
   (TargetCapabilities.verify_cost, verify_cost_tree) and follows every Verify's own
   report of the forward it ran in (VerifyResponse.batch_tokens / batch_seconds): each point is
@@ -102,12 +103,16 @@ class VerifyCurve:
 
 class CostModel:
     def __init__(self, curve: Iterable[tuple[int, float]] = (),
-                 tree_curve: Iterable[tuple[int, float]] = ()) -> None:
+                 tree_curve: Iterable[tuple[int, float]] = (),
+                 padded_blocks: Iterable[int] = ()) -> None:
         """curve: (tokens, seconds) of chain verifies measured by the target at warm-up; empty =
         unknown (then `known` is False and the gateway does not choose sizes by cost).
         tree_curve: the same for tree verifies (their own kernels and CUDA graphs: a tree of a
-        size without a graph runs eagerly); empty = as chains."""
+        size without a graph runs eagerly); empty = as chains. padded_blocks: the chain blocks
+        the target pads a batch to (TargetCapabilities.verify_padded_blocks): the curves are by
+        the forward's rows, padding included."""
         self.chains, self.trees = VerifyCurve(curve), VerifyCurve(tree_curve)
+        self.padded_blocks = tuple(sorted(padded_blocks))
         self.propose_s = 0.0            # 0 until a Propose was timed
         self.overhead_s = 0.0
 
@@ -120,6 +125,15 @@ class CostModel:
         """Forward time of a verify batch of `tokens` tokens (0 when unknown)."""
         curve = self.trees if tree and self.trees.known else self.chains
         return curve.seconds(tokens)
+
+    def chain_rows(self, tokens: Iterable[int]) -> int:
+        """The rows of a batch of chain verifies of these tokens each: every one padded to the
+        smallest padded block that holds the longest (the target's CUDA graphs), or as they are
+        when none does (an eager forward)."""
+        tokens = list(tokens)
+        longest = max(tokens, default=0)
+        pad = min((b for b in self.padded_blocks if b >= longest), default=0)
+        return pad * len(tokens) if pad else sum(tokens)
 
     def step_s(self, batch_tokens: int, drafts: bool, tree: bool = False) -> float:
         """One request's step: its verify in a batch of batch_tokens, plus a Propose if it

@@ -10,7 +10,9 @@ request r contributes its expected committed tokens E_r(s) (its own acceptance m
 to what r may run: its room, its remaining tokens) and its verify tokens T_r(s); the batch's
 shape maximises
 
-    sum_r E_r(s) / (overhead + propose * [s drafts] + verify(sum_r T_r(s)))
+    sum_r E_r(s) / (overhead + propose * [s drafts] + verify(rows of the T_r(s)))
+
+(rows: the tokens, each chain padded to the target's captured block on a GPU)
 
 from the cost model (gateway/cost_model.py) and the acceptance models
 (gateway/acceptance_model.py). Cheap verifies and high acceptance make longer blocks and bigger
@@ -108,8 +110,9 @@ def fit(shape: Shape, limits: Limits) -> Shape:
 
 class SpeculationPolicy:
     def __init__(self, curve: Iterable[tuple[int, float]] = (),
-                 tree_curve: Iterable[tuple[int, float]] = ()) -> None:
-        self.cost = CostModel(curve, tree_curve)
+                 tree_curve: Iterable[tuple[int, float]] = (),
+                 padded_blocks: Iterable[int] = ()) -> None:
+        self.cost = CostModel(curve, tree_curve, padded_blocks)
         self.service = ServiceAcceptance()
         self._running: dict[str, _Running] = {}
         self._batch = NO_DRAFTING       # the batch's shape, decided ...
@@ -158,15 +161,15 @@ class SpeculationPolicy:
                     for o in options)})
         return best.shape
 
-    @staticmethod
-    def _batch_option(shape: Shape, models: list[_Running]) -> Option:
-        """The batch's committed tokens and verify tokens when every request runs `shape`."""
-        expected, tokens = 0.0, 0
-        for m in models:
-            own = fit(shape, m.limits)
-            expected += m.trees[own.drafts] if own.tree else m.chain[own.drafts]
-            tokens += own.tokens
-        return Option(shape, expected, tokens)
+    def _batch_option(self, shape: Shape, models: list[_Running]) -> Option:
+        """The batch's committed tokens and verify rows when every request runs `shape` (chains
+        padded as the target pads them)."""
+        own = [fit(shape, m.limits) for m in models]
+        expected = sum(m.trees[o.drafts] if o.tree else m.chain[o.drafts]
+                       for m, o in zip(models, own))
+        tokens = [o.tokens for o in own]
+        rows = sum(tokens) if shape.tree else self.cost.chain_rows(tokens)
+        return Option(shape, expected, rows)
 
     def observe(self, acceptance: AcceptanceModel, shape: Shape, depth: int, accepted: int
                 ) -> None:

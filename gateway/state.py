@@ -80,7 +80,7 @@ class GatewayState:
         self.upstreams_event = asyncio.Event()   # upstreams usable (also while closing)
         self.policy = SpeculationPolicy()   # --speculation auto (gateway/speculation_policy.py)
         self._policy_caps: target_pb2.TargetCapabilities | None = None  # the caps it read
-        self._policy_curve: tuple | None = None     # (chain curve, tree curve) it was built on
+        self._policy_curve: tuple | None = None     # (chains, trees, padded blocks) it was built on
         self._grammars: GrammarCompiler | None = None    # built at the first structured request
         self._grammars_lock = asyncio.Lock()
         self._published: bool | None = None
@@ -143,13 +143,15 @@ class GatewayState:
         refresh of the capabilities brought the same curves)."""
         curve = tuple((p.tokens, p.seconds) for p in caps.verify_cost)
         tree_curve = tuple((p.tokens, p.seconds) for p in caps.verify_cost_tree)
-        if (curve, tree_curve) != self._policy_curve:
-            self._policy_curve = curve, tree_curve
-            self.policy.cost = CostModel(curve, tree_curve)
+        padded = tuple(caps.verify_padded_blocks)
+        if (curve, tree_curve, padded) != self._policy_curve:
+            self._policy_curve = curve, tree_curve, padded
+            self.policy.cost = CostModel(curve, tree_curve, padded)
             if curve:
                 log.info("speculation auto: verify cost curves from the target", extra={
                     "chains_ms": " ".join(f"{t}:{s * 1e3:.2f}" for t, s in curve),
-                    "trees_ms": " ".join(f"{t}:{s * 1e3:.2f}" for t, s in tree_curve)})
+                    "trees_ms": " ".join(f"{t}:{s * 1e3:.2f}" for t, s in tree_curve),
+                    "padded_blocks": padded})
             else:
                 log.warning("speculation auto: the target reports no verify cost curve (its "
                             "--cost-calibration-s is 0 or its calibration failed); fixed "

@@ -254,3 +254,22 @@ def test_overhead_excludes_the_wait_in_the_target_queue():
     assert c.overhead_s == pytest.approx(0.008)
     c.observe_verify(4, 0.012, wall_s=0.020)
     assert c.overhead_s == pytest.approx(0.008 + 0.1 * (0.008 - 0.008))
+
+
+def test_padded_chains_cost_their_padded_rows():
+    """A GPU target pads a batch of chains to a captured block (verify_padded_blocks): a chain
+    of 4 tokens costs the rows of 16, so with a curve that grows per row the policy takes the
+    longest chain the padding pays for, where without padding a shorter one wins."""
+    c = CostModel([(1, 0.010), (16, 0.016), (64, 0.040)], padded_blocks=(1, 16))
+    assert c.chain_rows([4, 4]) == 32 and c.chain_rows([1, 1]) == 2
+    assert c.chain_rows([17]) == 17 and CostModel().chain_rows([4, 3]) == 7
+    curve = [(1, 0.010), (4, 0.013), (8, 0.017), (16, 0.025), (64, 0.080)]
+    limits = Limits(max_chain=15, max_tree=0, tree_depth=15)
+    shapes = {}
+    for padded in ((), (1, 16)):
+        policy = SpeculationPolicy(curve, padded_blocks=padded)
+        m = policy.model()
+        for _ in range(100):
+            m.observe(CHAIN, 15, 3)                 # 3 of 15 accepted: the first drafts are good
+        shapes[padded] = policy.decide("r", m, limits)
+    assert 0 < shapes[()].drafts < 15 and shapes[(1, 16)] == Shape(15)

@@ -75,7 +75,8 @@ def test_padded_verifies_equal_unpadded(engines):
     assert len(got) == len(expected) == 16
     for (s, a, c, n, f, pages, t), (s2, a2, c2, n2, f2, pages2, t2) in zip(expected, got):
         assert (s, a, c, n, pages) == (s2, a2, c2, n2, pages2)
-        assert t == t2 == sum(BLOCKS.values())      # the cost model's tokens: no padding rows
+        # the forward's rows, padding included: what the gateway's cost model prices
+        assert (t, t2) == (sum(BLOCKS.values()), 16 * len(BLOCKS))
         assert f.shape == f2.shape == (a + 1, len(LAYERS) * 64)
         torch.testing.assert_close(f, f2, rtol=1e-4, atol=1e-4)
     assert padded.worker.kv_cache.usage() == 0
@@ -97,3 +98,11 @@ def test_the_padding_needs_room_in_the_context(engines):
         return v, pages
     v, pages = asyncio.run(near_the_end())
     assert v.seq_len <= max_ctx and pages == worker.kv_cache.pages_for(v.seq_len)
+
+
+def test_capabilities_say_which_blocks_the_target_pads_to(engines):
+    """The gateway's cost model prices a chain batch by its padded rows."""
+    from services.target.servicer import capabilities
+    plain, padded = engines
+    assert list(capabilities(plain.worker).verify_padded_blocks) == []
+    assert list(capabilities(padded.worker).verify_padded_blocks) == [1, 16]

@@ -107,12 +107,6 @@ class BatchPlan:
             slices.append(SeqSlice(item.seq.table, start, rows, tree))
         return BatchPlan(parts, ids, positions, slices, logit_rows, capture)
 
-    @property
-    def tokens(self) -> int:
-        """The batch's own tokens (padding rows not counted: their cost is in the forward's time,
-        which is what the gateway's cost model learns by the tokens it asked for)."""
-        return sum(p.item.n for p in self.parts)
-
     @staticmethod
     def capture_of(items: list[Scheduled]) -> tuple[int, ...]:
         """The feature layers any of the items' sequences asked for, sorted."""

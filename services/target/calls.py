@@ -66,6 +66,5 @@ class VerifyResult:
     seq_len: int
     logprobs: list[TokenLogprobs] | None = None   # one per committed token, when asked
     batch_tokens: int = 0               # the forward it ran in: tokens of the whole batch
-                                        # (without a graph's padding rows)
     batch_seconds: float = 0.0          # ... and its time to the decisions' read-back
     queue_seconds: float = 0.0          # its wait in the engine before that forward

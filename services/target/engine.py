@@ -125,7 +125,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
             else:
                 self._answer(part.item.work, VerifyResult(
                     acc.accepted, acc.tokens, _ref(f), part.item.seq.seq_len, lp,
-                    plan.tokens, forward_s, max(0.0, started - part.item.work.enqueued_at)))
+                    len(plan.ids), forward_s, max(0.0, started - part.item.work.enqueued_at)))
         self._commit_mamba_states(parts, accepted)
         self.stats.record_forward(len(items), len(plan.ids), time.perf_counter() - t0)
 

@@ -221,7 +221,8 @@ def capabilities(worker: TargetWorker, planes: Sequence[PlaneInfo] = ()
         verify_cost=[target_pb2.CostPoint(tokens=p.tokens, seconds=p.seconds)
                      for p in worker.verify_cost.chains],
         verify_cost_tree=[target_pb2.CostPoint(tokens=p.tokens, seconds=p.seconds)
-                          for p in worker.verify_cost.trees])
+                          for p in worker.verify_cost.trees],
+        verify_padded_blocks=list(worker.padded_blocks))
 
 
 def add_to_server(servicer: TargetServicer, server: grpc.aio.Server) -> list[str]:

@@ -243,6 +243,12 @@ class TargetWorker:
                                              "tree_sizes": sorted({q for q, _ in self._tree_graphs}),
                                              "capture_layers": layer_sets})
 
+    @property
+    def padded_blocks(self) -> tuple[int, ...]:
+        """The chain verify blocks batches are padded to (captured graphs' sizes, or the test
+        hook's), ascending; () = none."""
+        return tuple(sorted(set(self.hooks.pad_verify_to) or {q for q, _ in self._graphs}))
+
     def padded_block(self, batch: int, longest: int, capture_layers: tuple[int, ...]) -> int:
         """The block a batch of `batch` chain verifies of at most `longest` tokens each is padded
         to, so that it runs as one captured graph: the smallest captured size that holds them
