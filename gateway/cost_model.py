@@ -12,7 +12,8 @@
   a moving average, and the curve read is their non-decreasing fit (pool adjacent violators, a
   bigger batch never costs less), interpolated linearly between points and extrapolated past
   the last one at the slope of its last two.
-- propose: a Propose round trip as the gateway waits for it (a moving average).
+- propose: a Propose round trip as the gateway waits for it (the median of the last few, in
+  steady state: not one that appended a prompt's features).
 - overhead: the rest of a step that does not depend on its size - a Verify's round trip minus
   its wait in the target's queue and its forward (the wire, gRPC, scheduling).
 """
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+import statistics
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,6 +32,7 @@ log = logging.getLogger("dflash.gateway.cost")
 
 ALPHA = 0.1                             # weight of a new observation in each moving average
 MAX_WEIGHT = 50.0                       # a point's weight in the fit stops growing here
+PROPOSE_WINDOW = 15                     # Propose round trips the estimate is the median of
 
 
 @dataclass
@@ -113,7 +117,8 @@ class CostModel:
         the forward's rows, padding included."""
         self.chains, self.trees = VerifyCurve(curve), VerifyCurve(tree_curve)
         self.padded_blocks = tuple(sorted(padded_blocks))
-        self.propose_s = 0.0            # 0 until a Propose was timed
+        self._proposes: deque[float] = deque(maxlen=PROPOSE_WINDOW)
+        self.propose_s = 0.0            # the median of _proposes (0 until a Propose was timed)
         self.overhead_s = 0.0
 
     @property
@@ -155,7 +160,11 @@ class CostModel:
                                        max(0.0, wall_s - queue_s - batch_seconds))
 
     def observe_propose(self, wall_s: float) -> None:
-        self.propose_s = _average(self.propose_s, wall_s)
+        """A Propose round trip. The estimate is the median of the last few, not a moving
+        average: one slow Propose (a kernel's first run) must not make drafting look dear, as
+        then no Propose is timed again to correct it."""
+        self._proposes.append(wall_s)
+        self.propose_s = statistics.median(self._proposes)
 
     def export(self, model: str) -> None:
         """dflash_spec_cost_seconds: the model's parts now."""

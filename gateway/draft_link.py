@@ -58,6 +58,7 @@ class DraftLink:
         self.seq_id, self.ids = target.seq_id, target.ids
         self.state = DraftState.OFF if state.draft is None else DraftState.SYNCED
         self.feed = DraftFeed()
+        self.appended = 0               # positions the last Propose appended to the draft's context
         self.feed_limit = self.config.pending_feature_mib * 1024 * 1024
         self.capture_layers: list[int] = []      # what the target captures for it ...
         self.feature_dtype = ""                  # ... and in which dtype
@@ -149,6 +150,7 @@ class DraftLink:
 
     def _request(self, block: int, tree_nodes: int, anchor: int) -> draft_pb2.ProposeRequest:
         self.touched = True
+        self.appended = len(self.feed.token_ids)
         return draft_pb2.ProposeRequest(
             sequence_id=self.seq_id, feature_chunks=self.feed.chunks,
             positions=self.feed.positions, new_token_ids=self.feed.token_ids,

@@ -154,7 +154,10 @@ class Generation:
         event = self._deliver(committed, resp.accepted, list(resp.logprobs))
         self.telemetry.step(t1 - t0 if block > 1 else None, t2 - t1, n, resp.accepted)
         if policy is not None:
-            self._learn(policy, shape, drafts, resp, t1 - t0 if block > 1 else None, t2 - t1)
+            # a Propose that appended a prompt, or positions piled up while not drafting, is
+            # not what the next one costs
+            steady = block > 1 and self.draft.appended <= spec.max_block_size
+            self._learn(policy, shape, drafts, resp, t1 - t0 if steady else None, t2 - t1)
         return event
 
     def _shape(self, spec: Speculation, policy: SpeculationPolicy | None

@@ -273,3 +273,14 @@ def test_padded_chains_cost_their_padded_rows():
             m.observe(CHAIN, 15, 3)                 # 3 of 15 accepted: the first drafts are good
         shapes[padded] = policy.decide("r", m, limits)
     assert 0 < shapes[()].drafts < 15 and shapes[(1, 16)] == Shape(15)
+
+
+def test_one_slow_propose_does_not_stop_drafting():
+    """The first Propose of a shape may run a kernel for the first time: the propose estimate
+    is a median, so one 200 ms outlier among 2 ms ones leaves it near 2 ms."""
+    c = CostModel([(1, 0.002), (16, 0.003)])
+    c.observe_propose(0.200)
+    assert c.propose_s == pytest.approx(0.200)
+    for _ in range(4):
+        c.observe_propose(0.002)
+    assert c.propose_s == pytest.approx(0.002)
