@@ -43,11 +43,20 @@ class _Point:
 
 
 class VerifyCurve:
-    """Verify forward time by batch tokens, for one kind of verify (chains or trees)."""
+    """Verify forward time by batch tokens, for one kind of verify (chains or trees).
+    monotone: read through a non-decreasing fit (chains: a bigger batch never costs less);
+    False: the points as they are (trees: a size with a CUDA graph can cost less than a
+    smaller one without)."""
 
-    def __init__(self, curve: Iterable[tuple[int, float]] = ()) -> None:
+    def __init__(self, curve: Iterable[tuple[int, float]] = (), monotone: bool = True) -> None:
         self._points: dict[int, _Point] = {t: _Point(s, 2.0) for t, s in curve if t > 0}
         self._fit: list[tuple[int, float]] | None = None
+        self.monotone = monotone
+
+    @property
+    def last(self) -> int:
+        """The largest size with a point (0: none)."""
+        return max(self._points, default=0)
 
     @property
     def known(self) -> bool:
@@ -100,8 +109,9 @@ class VerifyCurve:
 
     def _fitted(self) -> list[tuple[int, float]]:
         if self._fit is None:
-            self._fit = monotone_fit(sorted((t, p.seconds, p.weight)
-                                            for t, p in self._points.items()))
+            points = sorted((t, p.seconds, p.weight) for t, p in self._points.items())
+            self._fit = (monotone_fit(points) if self.monotone
+                         else [(t, s) for t, s, _ in points])
         return self._fit
 
 
@@ -115,7 +125,7 @@ class CostModel:
         size without a graph runs eagerly); empty = as chains. padded_blocks: the chain blocks
         the target pads a batch to (TargetCapabilities.verify_padded_blocks): the curves are by
         the forward's rows, padding included."""
-        self.chains, self.trees = VerifyCurve(curve), VerifyCurve(tree_curve)
+        self.chains, self.trees = VerifyCurve(curve), VerifyCurve(tree_curve, monotone=False)
         self.padded_blocks = tuple(sorted(padded_blocks))
         self._proposes: deque[float] = deque(maxlen=PROPOSE_WINDOW)
         self.propose_s = 0.0            # the median of _proposes (0 until a Propose was timed)
@@ -127,9 +137,16 @@ class CostModel:
 
     # -- reading -------------------------------------------------------------------------------
     def verify_s(self, tokens: int, tree: bool = False) -> float:
-        """Forward time of a verify batch of `tokens` tokens (0 when unknown)."""
-        curve = self.trees if tree and self.trees.known else self.chains
-        return curve.seconds(tokens)
+        """Forward time of a verify batch of `tokens` tokens (0 when unknown). Trees past their
+        curve's last point (the warm-up measures one tree of each size; serving adds the batches
+        it runs): that point plus what the further rows cost chains."""
+        if not (tree and self.trees.known):
+            return self.chains.seconds(tokens)
+        last = self.trees.last
+        if tokens <= last:
+            return self.trees.seconds(tokens)
+        return self.trees.seconds(last) + max(0.0, self.chains.seconds(tokens)
+                                              - self.chains.seconds(last))
 
     def chain_rows(self, tokens: Iterable[int]) -> int:
         """The rows of a batch of chain verifies of these tokens each: every one padded to the

@@ -284,3 +284,17 @@ def test_one_slow_propose_does_not_stop_drafting():
     for _ in range(4):
         c.observe_propose(0.002)
     assert c.propose_s == pytest.approx(0.002)
+
+
+def test_tree_costs_are_read_as_measured_and_grow_with_rows_past_them():
+    """The H200's warm-up: a tree of 7 drafts has no CUDA graph (24 ms), trees of 15 and 63
+    have (1.5-1.7 ms). Trees are not forced into a non-decreasing curve (that pooled all three
+    at 9 ms: trees of 63 looked dear and trees of 7 cheap), and a batch of 32 trees costs the
+    one measured tree plus what its further rows cost chains (it looked free)."""
+    chains = [(1, 0.0013), (16, 0.0014), (64, 0.003), (512, 0.015)]
+    c = CostModel(chains, [(8, 0.0238), (16, 0.0015), (64, 0.0017)])
+    assert c.verify_s(8, tree=True) == pytest.approx(0.0238)
+    assert c.verify_s(64, tree=True) == pytest.approx(0.0017)
+    assert c.verify_s(32 * 64, tree=True) == pytest.approx(
+        0.0017 + c.verify_s(32 * 64) - c.verify_s(64))
+    assert c.verify_s(32 * 64, tree=True) > 0.015
