@@ -5,7 +5,9 @@ Each size runs through the engine as the service will run it (the scheduler, the
 the forward, acceptance, the commit): one sequence verifies a block of T tokens up to the
 largest block, and T / max_block sequences verify full blocks together above it. Two passes,
 up the sizes and (after the trees) back down, and a point is the faster of its two forwards
-(the second pass as far as the budget allows): start-up is when
+(the second pass as far as the budget allows; on a GPU the up pass runs each size once
+untimed first, as a shape's first run compiles kernels or replays a graph the first time):
+start-up is when
 the other processes of a stack load too, and contention that slows one pass rarely slows the
 same size in the other. Times come from the forward's own timing (the engine reports it with
 every verify: VerifyResult.batch_tokens / batch_seconds), so verifies the loop happened to
@@ -80,7 +82,7 @@ async def calibrate(engine: TargetEngine, worker: TargetWorker, budget_s: float)
             if time.monotonic() - t0 + REPEATS * _estimate(points, seqs * block) > \
                     UP_SHARE * budget_s:
                 break
-            await _measure(engine, worker, seqs, block, points, lengths)
+            await _measure(engine, worker, seqs, block, points, lengths, first=True)
             done.append((seqs, block))
         for n in (n for n in TREE_SIZES if n <= worker.max_tree_nodes):      # trees
             if time.monotonic() - t0 + REPEATS * _estimate(points, n + 1) > \
@@ -108,10 +110,15 @@ async def calibrate(engine: TargetEngine, worker: TargetWorker, budget_s: float)
 
 
 async def _measure(engine: TargetEngine, worker: TargetWorker, seqs: int, block: int,
-                   points: dict[int, float], lengths: dict[str, int]) -> None:
-    """A verify of `seqs` sequences x `block` tokens, submitted together."""
-    await _verify(engine, worker, [f"{PREFIX}{i}" for i in range(seqs)], block, None, points,
-                  lengths)
+                   points: dict[int, float], lengths: dict[str, int], first: bool = False
+                   ) -> None:
+    """A verify of `seqs` sequences x `block` tokens, submitted together. first (the up pass)
+    on a GPU: one untimed verify before it - a shape's first run there (a kernel's compilation,
+    a graph's first replay) is not what it costs."""
+    ids = [f"{PREFIX}{i}" for i in range(seqs)]
+    if first and worker.device.type == "cuda":
+        await _verify(engine, worker, ids, block, None, {}, lengths)
+    await _verify(engine, worker, ids, block, None, points, lengths)
 
 
 async def _measure_tree(engine: TargetEngine, worker: TargetWorker, n: int,
