@@ -32,6 +32,7 @@ log = logging.getLogger("dflash.gateway.cost")
 
 ALPHA = 0.1                             # weight of a new observation in each moving average
 MAX_WEIGHT = 50.0                       # a point's weight in the fit stops growing here
+UNOBSERVED_WEIGHT = 0.1                 # a warm-up point's weight once serving observed some
 PROPOSE_WINDOW = 15                     # Propose round trips the estimate is the median of
 
 
@@ -87,29 +88,42 @@ class VerifyCurve:
         return (s1 - s0) / (t1 - t0)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        self._rescale_unobserved(seconds / max(self.seconds(tokens), 1e-9))
+        """A forward of `tokens` rows took `seconds`. Serving's first run of a warm-up point
+        replaces it, and the other warm-up points move by the same ratio (the calibration's
+        shape, serving's level) unless the ratio is implausible for the whole curve (a shape's
+        first run measured at warm-up: that point alone was wrong); later runs average in, and
+        the warm-up points follow their ratio slowly."""
         p = self._points.get(tokens)
-        if p is None:
+        if p is not None and not p.observed:
+            self._rescale_unobserved(seconds / p.seconds, 1.0)
             self._points[tokens] = _Point(seconds, 1.0, True)
         else:
-            p.seconds += ALPHA * (seconds - p.seconds)
-            p.weight = min(MAX_WEIGHT, p.weight + 1.0)
-            p.observed = True
+            self._rescale_unobserved(seconds / max(self.seconds(tokens), 1e-9), ALPHA)
+            if p is None:
+                self._points[tokens] = _Point(seconds, 1.0, True)
+            else:
+                p.seconds += ALPHA * (seconds - p.seconds)
+                p.weight = min(MAX_WEIGHT, p.weight + 1.0)
         self._fit = None
 
-    def _rescale_unobserved(self, ratio: float) -> None:
-        """The warm-up's points that serving never ran follow the observed ones' scale (the
-        calibration's shape, the observations' level): a calibration slowed by a busy start-up,
-        or a host that got busier, must not keep sizes nobody tries looking dear or cheap."""
+    def _rescale_unobserved(self, ratio: float, power: float) -> None:
+        """The warm-up's points that serving never ran follow the observed ones' scale (by
+        ratio ** power): a calibration slowed by a busy start-up, or a host that got busier,
+        must not keep sizes nobody tries looking dear or cheap."""
         if self._points and 0.2 < ratio < 5.0:
-            factor = ratio ** ALPHA
+            factor = ratio ** power
             for p in self._points.values():
                 if not p.observed:
                     p.seconds *= factor
 
     def _fitted(self) -> list[tuple[int, float]]:
+        """The curve read: (tokens, seconds) ascending. Once serving has observed any point,
+        the warm-up's points weigh little in the fit (UNOBSERVED_WEIGHT): a dear one taken
+        at a shape's first run must not pull observed neighbours up with it."""
         if self._fit is None:
-            points = sorted((t, p.seconds, p.weight) for t, p in self._points.items())
+            seen = any(p.observed for p in self._points.values())
+            points = sorted((t, p.seconds, p.weight if p.observed or not seen
+                             else UNOBSERVED_WEIGHT) for t, p in self._points.items())
             self._fit = (monotone_fit(points) if self.monotone
                          else [(t, s) for t, s, _ in points])
         return self._fit

@@ -35,6 +35,7 @@ from services.common import metrics
 log = logging.getLogger("dflash.gateway.speculation")
 
 TREE_SIZES = (7, 15, 63)                # the tree sizes auto considers (within the pair's max)
+EXPLORE_EVERY = 32                      # every this many batch decisions, the runner-up runs once
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,15 @@ def choose(options: Iterable[Option], cost: CostModel) -> Option:
     """The option with the most committed tokens per second (ties: the fewer tokens). An option
     is one request's shape, or a batch's (expected and tokens summed over its requests).
     options must include NO_DRAFTING."""
+    return rank(options, cost)[0]
+
+
+def rank(options: Iterable[Option], cost: CostModel) -> list[Option]:
+    """The options by committed tokens per second, best first (ties: the fewer tokens)."""
     def rate(o: Option) -> float:
         seconds = cost.step_s(o.tokens, o.shape.drafts > 0, o.shape.tree)
         return o.expected / seconds if seconds > 0 else o.expected
-    return max(sorted(options, key=lambda o: o.tokens), key=rate)
+    return sorted(sorted(options, key=lambda o: o.tokens), key=rate, reverse=True)
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,7 @@ class SpeculationPolicy:
         self._batch = NO_DRAFTING       # the batch's shape, decided ...
         self._batch_size = 0            # ... for this many running requests ...
         self._since = 0                 # ... this many decides ago
+        self._decisions = 0             # batch decisions so far (exploration's clock)
         self._exported = float("-inf")
 
     @property
@@ -151,10 +158,18 @@ class SpeculationPolicy:
         shapes = [Shape(k) for k in range(longest + 1)]
         shapes += [Shape(n, True) for n in TREE_SIZES if any(n in m.trees for m in models)]
         options = [self._batch_option(s, models) for s in shapes]
-        best = choose(options, self.cost)
+        ranked = rank(options, self.cost)
+        best = ranked[0]
+        self._decisions += 1
+        if self._decisions % EXPLORE_EVERY == 0:
+            # Exploration: a size the model prices too dear (a warm-up point taken while the
+            # shape ran for the first time) would never run, so never be corrected. Once in a
+            # while the best option of other verify rows runs instead; its cost is then observed.
+            best = next((o for o in ranked[1:] if o.tokens != best.tokens), best)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("speculation chosen", extra={
                 "shape": best.shape, "requests": len(models), "expected": round(best.expected, 2),
+                "explore": best is not ranked[0],
                 "options": " ".join(
                     f"{o.shape.drafts}{'t' if o.shape.tree else ''}:{o.expected:.2f}/"
                     f"{self.cost.step_s(o.tokens, o.shape.drafts > 0, o.shape.tree) * 1e3:.0f}ms"

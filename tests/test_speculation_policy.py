@@ -298,3 +298,39 @@ def test_tree_costs_are_read_as_measured_and_grow_with_rows_past_them():
     assert c.verify_s(32 * 64, tree=True) == pytest.approx(
         0.0017 + c.verify_s(32 * 64) - c.verify_s(64))
     assert c.verify_s(32 * 64, tree=True) > 0.015
+
+
+def _simulate(policy: SpeculationPolicy, steps: int) -> list[Shape]:
+    """Two requests whose drafts are mostly accepted, on a GPU-like target whose true verify
+    time grows slowly with rows; the policy learns from what each step it chose would cost."""
+    def truth(rows: int) -> float:
+        return 0.0013 + 0.00002 * rows
+    limits = Limits(max_chain=15, max_tree=0, tree_depth=15)
+    models = {r: policy.model() for r in ("a", "b")}
+    for m in models.values():
+        for _ in range(40):
+            m.observe(CHAIN, 15, 6)
+    chosen = []
+    for _ in range(steps):
+        shapes = [policy.decide(r, m, limits, running=2) for r, m in models.items()]
+        rows = policy.cost.chain_rows([s.tokens for s in shapes])
+        policy.cost.observe_verify(rows, truth(rows), truth(rows) + 0.0005)
+        if shapes[0].drafts:
+            policy.cost.observe_propose(0.001)
+        chosen.append(shapes[0])
+    return chosen
+
+
+def test_exploration_corrects_a_warm_up_point_that_was_too_dear(monkeypatch):
+    """The H200's warm-up put 15 ms on every batch of 2+ sequences (the shapes' first runs)
+    where they take about 2 ms: with nothing drafting, nothing corrected it. Once every
+    EXPLORE_EVERY batch decisions the runner-up of other rows runs; its true cost replaces the
+    warm-up's, and the batch drafts from then on. Without exploration it never does."""
+    import gateway.speculation_policy as sp
+    calibrated = [(1, 0.0013), (2, 0.0013), (16, 0.0014), (24, 0.020), (32, 0.015), (64, 0.016)]
+    learned = _simulate(SpeculationPolicy(calibrated, padded_blocks=(1, 16)), 3 * sp.EXPLORE_EVERY)
+    assert learned[0] == NO_DRAFTING
+    assert sum(s.drafts >= 8 for s in learned[-32:]) == 31        # one step of 32 explores
+    monkeypatch.setattr(sp, "EXPLORE_EVERY", 10 ** 9)
+    stuck = _simulate(SpeculationPolicy(calibrated, padded_blocks=(1, 16)), 3 * 32)
+    assert all(s == NO_DRAFTING for s in stuck)
