@@ -241,19 +241,33 @@ calibration is bounded by `--cost-calibration-s` (default 1.5 s), on top of the 
 calibration (1.2-1.3 s on this EPYC)."""
 
 
-GPU_NOTES = """Reading it: on the GPU auto is within 0.85-0.91x of the best fixed shape at 1-4 requests
-and above it at 8, but 0.72-0.73x at 16 and 32 - a miss. The cost model prices each request's
-verify alone, while on the GPU the batch's shapes interact: a batch that mixes chains, trees
-and one-token verifies leaves the CUDA graphs of one shape (a chain batch pads to a captured
-block; a tree of 7 has no graph and runs eagerly: 69-762 tokens/s as a fixed choice), and the
-gateway's per-request decisions cost host time that the GPU's 10-20 ms steps do not hide. The
-run before the separate tree curve (`bench/results/gpu/adaptive_gpu_before_tree_cost.json`)
-chose trees of 7 and fell to 0.40x at 8 requests. Machine load differed between the runs
-(autoregressive at 1 request: 322 tokens/s in the first, 218 in this one)."""
+GPU_NOTES = """Reading it: a miss, and worse than the first GPU run (0.88, 0.85, 0.91, 1.06, 0.73,
+0.72 with per-request shapes). This run (commit bd474d7) chooses one shape per batch and prices chains by their
+padded rows, but its cost model was wrong on this GPU in two ways that the histogram shows (no
+drafting at 2 and 8 requests, trees at 16 and 32), both found in this run's gateway log: (1) the
+warm-up curve had 15-20 ms for every batch of two or more sequences (1.3-1.4 ms for one), where
+the fixed chains' rates imply a few ms - first runs of those shapes; serving never ran them once
+auto stopped drafting, so nothing corrected them; (2) the tree curve was pooled into one
+non-decreasing fit across tree sizes (a tree of 7 without a CUDA graph: 24 ms; trees of 15 and
+63 with: 1.5-1.7 ms), and batches of trees past its last point were priced flat. Fixed after
+this run and not yet measured here (the session's device time was spent): the warm-up runs each
+size once untimed on a GPU, trees are read as measured and grow with rows at chain rates. An
+earlier run of this session, before the Propose estimate became a steady-state median (one slow
+first Propose had stuck at tens of ms), gave 0.84, 0.89, 0.66, 0.79, 0.80, 0.74."""
 
 
-SHAPE_NOTES = """Reading it: with a forced acceptance that falls with the draft's position, the best fixed
-chain depends on the load; auto has to find it from what it measures."""
+SHAPE_NOTES = """Reading it: auto is at or above autoregressive everywhere (2.2-3.5x) and chooses chains of
+about 15 tokens at every load, the best fixed shapes' neighbourhood: with the target padding
+chains to its captured block of 16 (and the draft running its captured block and cutting), a
+chain of 12 costs what one of 16 does and commits about 1 % less under this profile. The goal
+(>= 0.95x the best fixed) is met at 2, 16 and 32 requests and missed at 1, 4 and 8 (0.86-0.93),
+within this one-round run's spread: chain 12 and chain 16 should be within 1 % of each other
+and differ by up to 10 % between levels. Measured at commit ee68ebd (before the steady-state
+Propose median, the tree reading and the GPU calibration's untimed first runs). Two earlier runs
+of this session: before the draft ran shorter chains at its captured block (they ran eagerly:
+chain 12 at 0.79x chain 16 at 4 requests) auto reached 0.83-1.00x; with that fixed but chains
+priced by their own tokens rather than the padded rows, auto chose chains of 2 tokens at 32
+requests (0.40x)."""
 
 
 def plot(r: dict, out: Path) -> None:
