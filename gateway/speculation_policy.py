@@ -100,7 +100,8 @@ class _Running:
     trees: dict[int, float]             # E of each tree size it may run
 
 
-def _running(acceptance: AcceptanceModel, limits: Limits) -> _Running:
+def _view(acceptance: AcceptanceModel, limits: Limits) -> _Running:
+    """What the batch decision needs of one request now."""
     return _Running(limits, acceptance.expected_by_depth(CHAIN, limits.max_chain),
                     {n: acceptance.expected(n, acceptance.tree_depth(n, limits.tree_depth))
                      for n in TREE_SIZES if n <= limits.max_tree})
@@ -141,12 +142,12 @@ class SpeculationPolicy:
         """This step's shape for `request`: the batch's, fitted to its limits. The batch's shape
         is decided again once per batch step (after as many decides as requests run) and when
         the number running changes. running: requests in the loop now, this one included; those
-        that have not decided yet (just admitted) count as verifying their anchor alone."""
-        self._running[request] = _running(acceptance, limits)
+        that have not decided yet (just admitted) count with the service's acceptance."""
+        self._running[request] = _view(acceptance, limits)
         size = max(running, len(self._running))
         self._since += 1
         if size != self._batch_size or self._since >= size:
-            new = _running(self.model(), limits)        # the undecided: the service's prior
+            new = _view(self.model(), limits)        # the undecided: the service's prior
             self._batch = self._decide_batch(list(self._running.values())
                                              + [new] * (size - len(self._running)))
             self._batch_size, self._since = size, 0
