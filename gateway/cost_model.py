@@ -32,7 +32,8 @@ log = logging.getLogger("dflash.gateway.cost")
 
 ALPHA = 0.1                             # weight of a new observation in each moving average
 MAX_WEIGHT = 50.0                       # a point's weight in the fit stops growing here
-UNOBSERVED_WEIGHT = 0.1                 # a warm-up point's weight once serving observed some
+UNOBSERVED_WEIGHT = 0.1                 # warm-up points' weight once one proved wrong
+PLAUSIBLE = (0.2, 5.0)                  # serving / warm-up time ratios a curve's scale explains
 PROPOSE_WINDOW = 15                     # Propose round trips the estimate is the median of
 
 
@@ -88,42 +89,42 @@ class VerifyCurve:
         return (s1 - s0) / (t1 - t0)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """A forward of `tokens` rows took `seconds`. Serving's first run of a warm-up point
-        replaces it, and the other warm-up points move by the same ratio (the calibration's
-        shape, serving's level) unless the ratio is implausible for the whole curve (a shape's
-        first run measured at warm-up: that point alone was wrong); later runs average in, and
-        the warm-up points follow their ratio slowly."""
+        """A forward of `tokens` rows took `seconds`: averaged into its point, and the warm-up
+        points serving never ran follow the ratio slowly. Except when serving's first run of a
+        warm-up point is implausibly far from it (PLAUSIBLE): the warm-up timed that shape's
+        first run (a kernel's compilation on a GPU). Then serving's time replaces it, and every
+        warm-up point left loses its weight in the fit (UNOBSERVED_WEIGHT: one dear point must
+        not pull corrected neighbours up with it)."""
         p = self._points.get(tokens)
-        if p is not None and not p.observed:
-            self._rescale_unobserved(seconds / p.seconds, 1.0)
+        ratio = seconds / max(p.seconds if p is not None else self.seconds(tokens), 1e-9)
+        if p is not None and not p.observed and not PLAUSIBLE[0] < ratio < PLAUSIBLE[1]:
             self._points[tokens] = _Point(seconds, 1.0, True)
+            for q in self._points.values():
+                if not q.observed:
+                    q.weight = UNOBSERVED_WEIGHT
         else:
-            self._rescale_unobserved(seconds / max(self.seconds(tokens), 1e-9), ALPHA)
+            self._rescale_unobserved(seconds / max(self.seconds(tokens), 1e-9))
             if p is None:
                 self._points[tokens] = _Point(seconds, 1.0, True)
             else:
                 p.seconds += ALPHA * (seconds - p.seconds)
                 p.weight = min(MAX_WEIGHT, p.weight + 1.0)
+                p.observed = True
         self._fit = None
 
-    def _rescale_unobserved(self, ratio: float, power: float) -> None:
-        """The warm-up's points that serving never ran follow the observed ones' scale (by
-        ratio ** power): a calibration slowed by a busy start-up, or a host that got busier,
-        must not keep sizes nobody tries looking dear or cheap."""
-        if self._points and 0.2 < ratio < 5.0:
-            factor = ratio ** power
+    def _rescale_unobserved(self, ratio: float) -> None:
+        """The warm-up's points that serving never ran follow the observed ones' scale (the
+        calibration's shape, the observations' level): a calibration slowed by a busy start-up,
+        or a host that got busier, must not keep sizes nobody tries looking dear or cheap."""
+        if self._points and PLAUSIBLE[0] < ratio < PLAUSIBLE[1]:
+            factor = ratio ** ALPHA
             for p in self._points.values():
                 if not p.observed:
                     p.seconds *= factor
 
     def _fitted(self) -> list[tuple[int, float]]:
-        """The curve read: (tokens, seconds) ascending. Once serving has observed any point,
-        the warm-up's points weigh little in the fit (UNOBSERVED_WEIGHT): a dear one taken
-        at a shape's first run must not pull observed neighbours up with it."""
         if self._fit is None:
-            seen = any(p.observed for p in self._points.values())
-            points = sorted((t, p.seconds, p.weight if p.observed or not seen
-                             else UNOBSERVED_WEIGHT) for t, p in self._points.items())
+            points = sorted((t, p.seconds, p.weight) for t, p in self._points.items())
             self._fit = (monotone_fit(points) if self.monotone
                          else [(t, s) for t, s, _ in points])
         return self._fit
