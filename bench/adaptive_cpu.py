@@ -230,15 +230,18 @@ def markdown(r: dict) -> str:
     return "\n".join(lines + ["", notes]) + "\n"
 
 
-NOTES = """Reading it: auto follows the best shape as load changes - trees of 7 at 1 and 2 requests
-(its chosen-size histogram), no drafting from 4 on - where every fixed choice is good at one end
-only (chain 4 and trees at 1 request, autoregressive at 8). Its misses are at 1 request (0.89x
-chain 4, within the 7-20 % spread between the two rounds of one configuration on this shared
-2-core host: autoregressive took 17.0 s in one round and 8.9 s in the other) and at 4 (0.94x
-autoregressive: some steps still drafted, a tree of 7 against one-token verifies of the others,
-where the model put the two within a few percent). Start-up: the target's verify cost
-calibration is bounded by `--cost-calibration-s` (default 1.5 s), on top of the CPU GEMM
-calibration (1.2-1.3 s on this EPYC)."""
+NOTES = """Reading it (commit 742d993): speculation barely pays on this host at this time (the best
+fixed shape, chain 2, is 6 % above autoregressive at 1 request; autoregressive is best from 2
+on), and auto mostly does not draft (its histogram: no drafting in about 97 % of steps, trees of
+7 in the rest - its exploration, one step in 32 at the runner-up). It ends 0.96-0.97x the best
+at 2-8 requests (>= 0.95, but below autoregressive by the exploration's cost) and 0.91x at 1
+request: no level meets both goals. Earlier runs of this session, same command:
+`bench/results/archive/adaptive_cpu_session29_e90d55e.json` (exploration, and serving's first
+run always replacing a warm-up point) 0.89, 0.96, 0.81, 0.97; the first (one shape per batch,
+no exploration) 0.78, 1.02, 1.01, 0.93 - a spread between runs of this host larger than the
+differences the goal asks about (autoregressive at 1 request: 19.1 to 29.5 tokens/s between
+runs). Start-up: the target's verify cost calibration is bounded by `--cost-calibration-s`
+(default 1.5 s), on top of the CPU GEMM calibration (1.2-1.3 s on this EPYC)."""
 
 
 GPU_NOTES = """Reading it: a miss, and worse than the first GPU run (0.88, 0.85, 0.91, 1.06, 0.73,
