@@ -163,10 +163,10 @@ class Generation:
     def _shape(self, spec: Speculation, policy: SpeculationPolicy | None
                ) -> tuple[int, int, Shape | None]:
         """This step's (verify block, tree nodes; 0 = a chain, and the auto choice). Fixed:
-        the block and tree size configured (or asked by the request); auto: the policy's choice
-        within them."""
+        the block and tree size configured (or asked by the request; or a seeded sampled
+        request); auto: the policy's choice within them."""
         block, room = self._block_size(spec), self._room()
-        if policy is None or self.req.block_size:
+        if policy is None or self.req.block_size or self._seeded:
             return block, spec.tree_for(room - 1), None
         limits = Limits(max_chain=block - 1, tree_depth=block - 1,
                         max_tree=min(spec.max_tree_nodes, room - 1) if block > 1 else 0)
@@ -174,6 +174,13 @@ class Generation:
         if limits.max_chain or limits.max_tree:          # a choice (not a step that cannot draft)
             policy.record(self.state.metrics_model, shape)
         return (block, shape.drafts, shape) if shape.tree else (shape.tokens, 0, shape)
+
+    @property
+    def _seeded(self) -> bool:
+        """Seeded sampling: the same seed must give the same output, and the random draws a
+        step makes depend on what it verifies - so fixed sizes, not auto's (they follow load
+        and learning)."""
+        return self.req.seed is not None and not self.req.greedy
 
     def _learn(self, policy: SpeculationPolicy, shape: Shape | None, drafts: DraftTree,
                resp: target_pb2.VerifyResponse, propose_s: float | None, verify_s: float) -> None:
