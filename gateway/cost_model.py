@@ -5,13 +5,14 @@
 
 - verify(T): the target's forward time for a batch of T rows (its tokens; on a GPU a batch of
   chains is padded to a captured block, TargetCapabilities.verify_padded_blocks, so chains of
-  2 and 16 tokens cost the same), one curve for chains and one for trees (their own kernels, and CUDA graphs of some tree sizes only: another size runs
-  eagerly). It starts from the curves the target measured at warm-up
-  (TargetCapabilities.verify_cost, verify_cost_tree) and follows every Verify's own
-  report of the forward it ran in (VerifyResponse.batch_tokens / batch_seconds): each point is
-  a moving average, and the curve read is their non-decreasing fit (pool adjacent violators, a
-  bigger batch never costs less), interpolated linearly between points and extrapolated past
-  the last one at the slope of its last two.
+  2 and 16 tokens cost the same), one curve for chains and one for trees (their own kernels,
+  and CUDA graphs of some tree sizes only: another size runs eagerly). It starts from the
+  curves the target measured at warm-up (TargetCapabilities.verify_cost, verify_cost_tree) and
+  follows every Verify's own report of the forward it ran in (VerifyResponse.batch_tokens /
+  batch_seconds): each point is a moving average (a warm-up point more than 5x off serving's
+  first run of it is replaced). Chains are read through the points' non-decreasing fit (pool
+  adjacent violators: a bigger batch never costs less), interpolated linearly and extrapolated
+  past the last point; trees as measured, and past their last point at chain rates.
 - propose: a Propose round trip as the gateway waits for it (the median of the last few, in
   steady state: not one that appended a prompt's features).
 - overhead: the rest of a step that does not depend on its size - a Verify's round trip minus
