@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import statistics
 import sys
 import tempfile
@@ -117,7 +118,9 @@ def chosen_delta(before: dict, after: dict) -> dict[str, dict]:
 
 
 def measure(args: argparse.Namespace, svc: Services, prompts: list[list[int]],
-            labels: dict[str, list[str]], levels: tuple[int, ...]) -> dict:
+            labels: dict[str, list[str]], levels: tuple[int, ...], checkpoint=None) -> dict:
+    """Every level's rows; `checkpoint(rows)` after each level (a run cut short by a time limit
+    keeps the levels it finished)."""
     gateways = {}
     for label, extra in labels.items():
         port, http = free_port(), free_port()
@@ -152,6 +155,8 @@ def measure(args: argparse.Namespace, svc: Services, prompts: list[list[int]],
                          "tokens_per_s": round(tokens / statistics.median(ts), 2),
                          "identical_outputs": f"{same[label]}/{len(batch) * len(ts)}"})
             print(rows[-1], flush=True)
+        if checkpoint is not None:
+            checkpoint(rows)
     out = summary(rows, levels)
     for s in out:
         s["auto_chosen"] = auto_chosen[s["concurrency"]]
@@ -339,8 +344,12 @@ def main(argv: list[str] | None = None) -> None:
             args.force_profile = result["force_profile"] = args.force_profile or PROFILE
             trees = ()                          # forced acceptance is a chain's
             prompts, options = shaped_stack(args, dtype, Path(tmp))
+        def checkpoint(rows: list[dict]) -> None:
+            Path(args.out).write_text(json.dumps({**result, "rows": rows, "partial": True},
+                                                 indent=1) + "\n")
         with Services("dflash", Path(tmp) / "logs", speculation="auto", **options) as svc:
-            result.update(measure(args, svc, prompts, configs(chains, trees), levels))
+            result.update(measure(args, svc, prompts, configs(chains, trees), levels,
+                                  checkpoint))
     save(result, Path(args.out), Path(args.doc), section(result), markdown)
     plot(result, Path(args.plot))
     print(markdown(result))
