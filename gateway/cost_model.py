@@ -43,6 +43,7 @@ class _Point:
     seconds: float
     weight: float                       # observations behind it (capped): the fit's weight
     observed: bool = False              # False: only the warm-up's measurement
+    runs: int = 0                       # serving's forwards averaged in
 
 
 class VerifyCurve:
@@ -80,6 +81,11 @@ class VerifyCurve:
         (t0, s0), (t1, s1) = fit[i - 1], fit[i]
         return max(0.0, s0 + (s1 - s0) * (tokens - t0) / (t1 - t0))
 
+    def runs(self, tokens: int) -> int:
+        """How many of serving's forwards of exactly `tokens` rows this curve has seen."""
+        p = self._points.get(tokens)
+        return p.runs if p is not None else 0
+
     def per_token_s(self) -> float:
         """What one more token costs on average over the measured range (the fit's slope
         from its first point to its last; 0 with fewer than two points)."""
@@ -99,18 +105,19 @@ class VerifyCurve:
         p = self._points.get(tokens)
         ratio = seconds / max(p.seconds if p is not None else self.seconds(tokens), 1e-9)
         if p is not None and not p.observed and not PLAUSIBLE[0] < ratio < PLAUSIBLE[1]:
-            self._points[tokens] = _Point(seconds, 1.0, True)
+            self._points[tokens] = _Point(seconds, 1.0, True, 1)
             for q in self._points.values():
                 if not q.observed:
                     q.weight = UNOBSERVED_WEIGHT
         else:
             self._rescale_unobserved(seconds / max(self.seconds(tokens), 1e-9))
             if p is None:
-                self._points[tokens] = _Point(seconds, 1.0, True)
+                self._points[tokens] = _Point(seconds, 1.0, True, 1)
             else:
                 p.seconds += ALPHA * (seconds - p.seconds)
                 p.weight = min(MAX_WEIGHT, p.weight + 1.0)
                 p.observed = True
+                p.runs += 1
         self._fit = None
 
     def _rescale_unobserved(self, ratio: float) -> None:
@@ -163,6 +170,11 @@ class CostModel:
             return self.trees.seconds(tokens)
         return self.trees.seconds(last) + max(0.0, self.chains.seconds(tokens)
                                               - self.chains.seconds(last))
+
+    def verify_runs(self, tokens: int, tree: bool = False) -> int:
+        """How many verifies of `tokens` rows serving has timed (of trees, when trees have
+        their own curve)."""
+        return (self.trees if tree and self.trees.known else self.chains).runs(tokens)
 
     def chain_rows(self, tokens: Iterable[int]) -> int:
         """The rows of a batch of chain verifies of these tokens each: every one padded to the

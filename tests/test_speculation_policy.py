@@ -325,12 +325,35 @@ def test_exploration_corrects_a_warm_up_point_that_was_too_dear(monkeypatch):
     """The H200's warm-up put 15 ms on every batch of 2+ sequences (the shapes' first runs)
     where they take about 2 ms: with nothing drafting, nothing corrected it. Once every
     EXPLORE_EVERY batch decisions the runner-up of other rows runs; its true cost replaces the
-    warm-up's, and the batch drafts from then on. Without exploration it never does."""
+    warm-up's, and the batch drafts from then on (and, the runner-up now not drafting, whose
+    rows serving has timed often, explores no more). Without exploration it never does."""
     import gateway.speculation_policy as sp
     calibrated = [(1, 0.0013), (2, 0.0013), (16, 0.0014), (24, 0.020), (32, 0.015), (64, 0.016)]
     learned = _simulate(SpeculationPolicy(calibrated, padded_blocks=(1, 16)), 3 * sp.EXPLORE_EVERY)
     assert learned[0] == NO_DRAFTING
-    assert sum(s.drafts >= 8 for s in learned[-32:]) == 31        # one step of 32 explores
+    assert all(s.drafts >= 8 for s in learned[-2 * sp.EXPLORE_EVERY:])
     monkeypatch.setattr(sp, "EXPLORE_EVERY", 10 ** 9)
     stuck = _simulate(SpeculationPolicy(calibrated, padded_blocks=(1, 16)), 3 * 32)
     assert all(s == NO_DRAFTING for s in stuck)
+
+
+def test_exploration_stops_once_the_runner_up_was_timed_often_enough():
+    """On a CPU where not drafting wins, the runner-up (a chain) runs once every EXPLORE_EVERY
+    decisions only until serving has timed its rows EXPLORE_RUNS times; then auto stays with
+    the best option (exploring a price it knows cost 3 % of the autoregressive speed)."""
+    import gateway.speculation_policy as sp
+    policy = SpeculationPolicy([(1, 0.010), (2, 0.019), (4, 0.038), (8, 0.075)])
+    m = policy.model()
+    for _ in range(40):
+        m.observe(CHAIN, 3, 0)
+    limits = Limits(max_chain=3, max_tree=0, tree_depth=3)
+    chosen = []
+    for _ in range(10 * sp.EXPLORE_EVERY):
+        shape = policy.decide("a", m, limits)
+        policy.cost.observe_verify(shape.tokens, 0.0095 * shape.tokens, 0.0095 * shape.tokens)
+        if shape.drafts:
+            policy.cost.observe_propose(0.002)
+        chosen.append(shape)
+    explored = [i for i, s in enumerate(chosen) if s != NO_DRAFTING]
+    assert len(explored) == sp.EXPLORE_RUNS
+    assert all((i + 1) % sp.EXPLORE_EVERY == 0 for i in explored)
