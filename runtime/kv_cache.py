@@ -1,9 +1,16 @@
-"""Paged KV cache: one pool of fixed-size pages shared by all sequences, page tables per sequence."""
+"""Paged KV cache: one pool of fixed-size pages shared by all sequences, page tables per sequence.
+
+With a prefix cache (runtime/prefix_cache.py), full pages of committed tokens are kept under
+their prefix's key after their sequence ends, and a new sequence whose tokens start the same way
+takes them instead of computing them: pages are reference-counted, and a cached page nobody
+references is reused for others only when no free page is left (least recently used first)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from runtime.prefix_cache import ROOT, PrefixCache, page_keys
 
 
 class OutOfPages(Exception):
@@ -15,6 +22,7 @@ class PageTable:
     """The pages one sequence owns, in position order. Position p lives in
     slot pages[p // page_size] * page_size + p % page_size."""
     pages: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)   # prefix keys of its first full pages
 
 
 class PagedKVCache:
@@ -22,7 +30,9 @@ class PagedKVCache:
     Page 0 is reserved as a scratch page (padding writes land there), so usable pages are 1..N-1."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 num_pages: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 num_pages: int, dtype: torch.dtype, device: torch.device | str,
+                 prefix_cache: PrefixCache | None = None) -> None:
+        """prefix_cache: None = no prefix caching (every page is private to one sequence)."""
         if num_pages < 2:
             raise ValueError(f"the KV budget gives {num_pages} pages; at least 2 are needed")
         self.page_size = page_size
@@ -31,6 +41,8 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
+        self._refs = [0] * num_pages    # sequences holding each page
+        self.prefix_cache = prefix_cache
 
     @staticmethod
     def bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -43,7 +55,13 @@ class PagedKVCache:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages a sequence can take: free ones and cached ones nobody references."""
+        return len(self._free) + self.idle_pages
+
+    @property
+    def idle_pages(self) -> int:
+        """Cached pages no sequence references (reusable; evicted when taken)."""
+        return self.prefix_cache.idle_pages if self.prefix_cache is not None else 0
 
     @property
     def used_pages(self) -> int:
@@ -60,20 +78,74 @@ class PagedKVCache:
         need = self.pages_for(num_tokens) - len(table.pages)
         if need <= 0:
             return
-        if need > len(self._free):
-            raise OutOfPages(f"KV cache full: {need} more pages needed, {len(self._free)} free "
+        if need > self.free_pages:
+            raise OutOfPages(f"KV cache full: {need} more pages needed, {self.free_pages} free "
                              f"of {self.usable_pages} ({self.page_size} tokens per page)")
-        table.pages.extend(self._free.pop() for _ in range(need))
+        table.pages.extend(self._take() for _ in range(need))
 
     def trim(self, table: PageTable, num_tokens: int) -> None:
         """Return pages past what positions [0, num_tokens) need."""
         keep = self.pages_for(num_tokens)
         while len(table.pages) > keep:
-            self._free.append(table.pages.pop())
+            self._drop(table.pages.pop())
+        del table.keys[keep:]
 
     def release(self, table: PageTable) -> None:
-        self._free.extend(reversed(table.pages))
-        table.pages.clear()
+        """The sequence's pages go back (its cached pages stay cached: its last page is the
+        first to be evicted)."""
+        while table.pages:
+            self._drop(table.pages.pop())
+        table.keys.clear()
+
+    # -- prefix caching ----------------------------------------------------------------------
+    def attach_prefix(self, table: PageTable, keys: list[bytes]) -> int:
+        """An empty table takes the cached pages of the longest prefix of `keys` (page_keys of
+        its tokens); returns the positions they hold."""
+        assert not table.pages, "a prefix is attached to a new sequence"
+        if self.prefix_cache is None:
+            return 0
+        for page in self.prefix_cache.match(keys):
+            self._refs[page] += 1
+            self.prefix_cache.used(page)
+            table.pages.append(page)
+        table.keys = keys[: len(table.pages)]
+        return len(table.pages) * self.page_size
+
+    def cache_full_pages(self, table: PageTable, tokens: list[int], committed: int) -> None:
+        """The table's pages that positions [0, committed) fill completely enter the cache
+        (tokens: at least those positions' tokens). Only committed positions: a page holding
+        a rejected draft's KV is never full below the committed length."""
+        if self.prefix_cache is None:
+            return
+        full, known = min(committed, len(tokens)) // self.page_size, len(table.keys)
+        if full <= known:
+            return
+        keys = page_keys(tokens[: full * self.page_size], self.page_size, known,
+                         table.keys[-1] if table.keys else ROOT)
+        for i, key in enumerate(keys, start=known):
+            self.prefix_cache.insert(key, table.pages[i])
+        table.keys.extend(keys)
+
+    def clear_prefix_cache(self) -> None:
+        """Forgets every cached page nobody references (they become free)."""
+        if self.prefix_cache is not None:
+            self._free.extend(self.prefix_cache.clear())
+
+    def _take(self) -> int:
+        page = self._free.pop() if self._free else self.prefix_cache.evict()
+        self._refs[page] = 1
+        return page
+
+    def _drop(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] > 0:
+            return
+        if self.prefix_cache is not None and self.prefix_cache.cached(page):
+            evicted = self.prefix_cache.unused(page)
+            if evicted is not None:
+                self._free.append(evicted)
+        else:
+            self._free.append(page)
 
     def slots(self, table: PageTable, start: int, end: int) -> list[int]:
         """Flat slot ids of positions [start, end) (pages must already exist)."""

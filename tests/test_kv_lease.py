@@ -52,8 +52,8 @@ def test_release_returns_pages(client, metrics_port):
     total = client.capabilities().kv_pages_total
     assert (kv_usage(metrics_port), active(metrics_port)) == (0, 0)
     lengths = {"r1": 10, "r2": 21, "r3": 4}                    # 3 + 6 + 1 pages of 4 tokens
-    for seq, n in lengths.items():
-        client.prefill(seq, [1] * n)
+    for token, (seq, n) in enumerate(lengths.items(), start=1):
+        client.prefill(seq, [token] * n)        # no shared prefix: no page is shared
     assert active(metrics_port) == 3
     assert kv_usage(metrics_port) == pytest.approx(10 / total)
     v = client.verify("r2", [3, 4, 5, 6])                      # 21 -> up to 25 tokens: 7 pages

@@ -141,8 +141,9 @@ def test_calls_of_one_sequence_in_flight_together_run_in_order(model_dir):
     """Engine iterations driven by hand (the engine loop's contract: work a step leaves
     unfinished is offered again next iteration). A Verify that arrives while its Prefill is
     between chunks, and a second Verify of the same sequence, wait instead of writing the same
-    KV positions."""
-    worker = loaded_worker(model_dir, token_budget=64)
+    KV positions. (No prefix caching: the second prompt would find the first one's pages and
+    run in one chunk.)"""
+    worker = loaded_worker(model_dir, token_budget=64, prefix_caching=False)
     engine = TargetEngine(worker)                          # its thread is not started
     loop = asyncio.new_event_loop()
     prompt = PROMPTS_8[7]                                  # 120 tokens: two prefill chunks

@@ -36,6 +36,16 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
           "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
 
 
+def parse_switch(text: str) -> bool:
+    """'on' / 'off' (also true/false, yes/no, 1/0) -> bool."""
+    value = str(text).strip().lower()
+    if value in ("on", "true", "yes", "1"):
+        return True
+    if value in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a switch: {text!r} (on or off)")
+
+
 def parse_size(text: str) -> int:
     """'512MiB', '2GB', '1.5G', '1000000' -> bytes."""
     m = _SIZE.match(str(text))

@@ -73,6 +73,12 @@ SPEC_CHOSEN = Histogram("dflash_spec_verify_tokens_chosen", "Gateway: verify siz
 SPEC_COST = Gauge("dflash_spec_cost_seconds", "Gateway's cost model now: verify of 1 token "
                   "(verify_1), each further token (verify_per_token), a Propose (propose), the "
                   "rest of a step (overhead)", L + ["component"])
+PREFIX_QUERIES = Counter("dflash_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                         "cache (vLLM's convention: tokens)", L + ["service"])
+PREFIX_HITS = Counter("dflash_prefix_cache_hits", "Prompt tokens whose KV came from the prefix "
+                      "cache", L + ["service"])
+PREFIX_CACHED_PAGES = Gauge("dflash_prefix_cache_pages", "KV pages the prefix cache holds "
+                            "(referenced or not)", L + ["service"])
 HTTP_REQUESTS = Counter("dflash_http_requests", "Gateway HTTP API requests by route and status",
                         L + ["path", "status"])
 
@@ -95,7 +101,7 @@ class Exports:
 
 
 _ENGINE = Exports(by_service=(RUNNING, WAITING, KV_USAGE, SEQUENCES, FORWARD_SECONDS,
-                              FORWARD_TOKENS))
+                              FORWARD_TOKENS, PREFIX_QUERIES, PREFIX_HITS, PREFIX_CACHED_PAGES))
 EXPORTS: dict[str, Exports] = {
     "gateway": Exports(
         by_model=(SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, TTFT, ITL, E2E, FEATURE_BYTES,
@@ -165,6 +171,13 @@ def watch_queue(queue: Queue) -> None:
     lb = labels()
     RUNNING.labels(lb.model_name, lb.service).set_function(lambda: queue.running)
     WAITING.labels(lb.model_name, lb.service).set_function(lambda: queue.waiting)
+
+
+def record_prefix_lookup(queried: int, hit: int) -> None:
+    """A prompt of `queried` tokens found `hit` of them in this service's prefix cache."""
+    lb = labels()
+    PREFIX_QUERIES.labels(lb.model_name, lb.service).inc(queried)
+    PREFIX_HITS.labels(lb.model_name, lb.service).inc(hit)
 
 
 def record_acceptance(model_name: str, drafts: int, accepted: int) -> None:

@@ -159,5 +159,10 @@ class SequenceEngine(ABC, Generic[S]):
         lb = metrics.labels()
         metrics.KV_USAGE.labels(lb.model_name, lb.service).set(self.kv_usage())
         metrics.SEQUENCES.labels(lb.model_name, lb.service).set(len(self.seqs))
+        metrics.PREFIX_CACHED_PAGES.labels(lb.model_name, lb.service).set(self.prefix_cached_pages())
         self._publish_more()
+
+    def prefix_cached_pages(self) -> int:
+        """Pages the prefix cache holds (0: none, or no prefix caching)."""
+        return 0
 

@@ -23,6 +23,11 @@ def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget:
               f"fp32 CPU GEMM of linear layers: {' | '.join(sorted(CPU_GEMMS))} (torch = MKL)")
     flags.add(p, "--kv-budget", kv_budget, flags.parse_size, kv_help)
     flags.add(p, "--page-size", 16, int, "tokens per KV page")
+    flags.add(p, "--enable-prefix-caching", "on", flags.parse_switch, "on | off: full KV pages "
+              "of committed tokens stay cached (keyed by their prefix) for later prompts that "
+              "start the same way, until their pages are needed", nargs="?", const="on")
+    flags.add(p, "--prefix-cache-max-pages", 0, int, "the most cached pages kept once no "
+              "sequence uses them (0 = every spare page of the pool)")
     flags.add(p, "--token-budget", token_budget, int, token_help)
     flags.add(p, "--lease-seconds", 120.0, float, "idle time after which a sequence is freed")
     flags.add(p, "--model-id", "", str, "name reported in capabilities and metrics "

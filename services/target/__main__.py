@@ -75,7 +75,8 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         graph_tree_sizes=args.graph_tree_sizes, graph_capture_layers=args.graph_capture_layers,
         verify_state_slots=args.verify_state_slots, cpu_gemm=args.cpu_gemm,
         feature_plane=args.feature_plane, feature_plane_mib=args.feature_plane_mib,
-        cost_calibration_s=args.cost_calibration_s)
+        cost_calibration_s=args.cost_calibration_s, prefix_caching=args.enable_prefix_caching,
+        prefix_cache_max_pages=args.prefix_cache_max_pages)
 
 
 async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:
@@ -113,6 +114,8 @@ def service(args: argparse.Namespace, hooks: TargetHooks) -> bootstrap.ModelServ
         await warmup(engine, worker)
         worker.verify_cost = await cost_calibration.calibrate(engine, worker,
                                                               config.cost_calibration_s)
+        # what warm-up and calibration cached is nobody's prefix
+        await engine.on_engine_thread(worker.kv_cache.clear_prefix_cache)
         worker.mark_ready()
         return engine
 

@@ -24,6 +24,8 @@ class PrefillCall:
     feature_plane: str = ""             # publish the features there ("" = in the answer)
     token_mask: bytes = b""             # structured output: the first output's allowed tokens
                                         # (runtime/token_mask.py; b"" = any)
+    features_from: int = 0              # the draft holds positions below it: features of the
+                                        # rest only, and cached KV reused only below it
 
 
 # Features in an answer: a host tensor [rows, K*H] in the requested dtype, a reference to them in
@@ -37,6 +39,7 @@ class PrefillResult:
     features: Features                  # [L, K*H]
     seq_len: int
     logprobs: TokenLogprobs | None = None   # of next_token, when the sampling asked
+    cached_tokens: int = 0              # prompt positions whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ class TargetConfig:
     # seconds of start-up spent measuring the verify cost curve for the gateway's --speculation
     # auto (services/target/cost_calibration.py); 0 = off (in-process users need none)
     cost_calibration_s: float = 0.0
+    prefix_caching: bool = True        # full KV pages of committed tokens kept for later prompts
+    prefix_cache_max_pages: int = 0    # most unreferenced cached pages kept (0: all spare pages)
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_block_size < 1 or self.token_budget < self.max_block_size:
@@ -54,6 +56,9 @@ class TargetConfig:
                              f"allowed {' | '.join(PLANE_CHOICES)}, at least 1 MiB")
         if self.feature_plane == "cuda-ipc" and not self.device.startswith("cuda"):
             raise ValueError("--feature-plane cuda-ipc needs --device cuda")
+        if self.prefix_cache_max_pages < 0:
+            raise ValueError(f"prefix_cache_max_pages must be >= 0 (0 = no cap), got "
+                             f"{self.prefix_cache_max_pages}")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu gemm {self.cpu_gemm!r} is not offered by this torch build; "
                              f"allowed: {sorted(CPU_GEMMS)}")

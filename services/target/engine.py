@@ -181,11 +181,14 @@ class TargetEngine(SequenceEngine[TargetSequence]):
             acc = chain_acceptance(call.drafts, a, decided.argmax[a])
         else:
             acc = chain_acceptance(call.drafts, decided.accepted, decided.token)
-        seq.commit(acc.accepted + 1)
-        if seq.penalties is not None:                   # the anchor and the accepted drafts
-            seq.penalties.add([call.tokens[r] for r in acc.rows])
+        committed = [call.tokens[r] for r in acc.rows]  # the anchor and the accepted drafts
+        seq.commit(committed)
+        if seq.penalties is not None:
+            seq.penalties.add(committed)
         self.publisher.consumed(seq, call.features_consumed)
-        self.worker.kv_cache.trim(seq.table, seq.seq_len)
+        kv = self.worker.kv_cache
+        kv.trim(seq.table, seq.seq_len)
+        kv.cache_full_pages(seq.table, seq.tokens, seq.seq_len)
         self.stats.record_verify(len(call.drafts), acc.accepted)
         return acc
 
@@ -204,8 +207,11 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         written to the sequence's plane (then synchronized: the draft reads them next)."""
         fetch = FeatureFetch(captured, capture, self.publisher)
         for part, acc in zip(parts, accepted):
-            rows = acc.rows if acc is not None else range(part.item.n)
-            fetch.add(part.item.seq, part.row, rows, self._destination(part.item, len(rows)))
+            item = part.item
+            # a prompt chunk: its rows at or past features_from (the draft holds those before)
+            rows = acc.rows if acc is not None else range(
+                min(item.n, max(0, item.prefill.features_from - item.start)), item.n)
+            fetch.add(item.seq, part.row, rows, self._destination(item, len(rows)))
         features = fetch.fetch()
         self.publisher.sync(self.worker.device)
         return features
@@ -221,11 +227,14 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         if item.is_verify:
             pub = self.publisher.reserve(seq, rows, width, seq.seq_len)
             return (pub, 0) if pub is not None else None
+        call = item.prefill
         if "publication" not in item.work.state:
-            total = len(item.prefill.token_ids)
-            item.work.state["publication"] = self.publisher.reserve(seq, total, width, total)
+            total = len(call.token_ids)
+            item.work.state["publication"] = self.publisher.reserve(
+                seq, total - call.features_from, width, total) if total > call.features_from \
+                else None
         pub = item.work.state["publication"]
-        return (pub, item.start) if pub is not None else None
+        return (pub, max(0, item.start - call.features_from)) if pub is not None else None
 
     def _prefill_chunk_done(self, item: Scheduled, features: torch.Tensor | Publication | None,
                             token: int | None, logprobs: TokenLogprobs | None) -> None:
@@ -235,13 +244,15 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         work.done_tokens += item.n
         seq.seq_len = work.done_tokens
         seq.touch()
+        self.worker.kv_cache.cache_full_pages(seq.table, seq.tokens, seq.seq_len)
         if not finished:
             return
         seq.prefilling = False
         seq.num_generated += 1
         chunks, pub = work.state.pop("features"), work.state.get("publication")
         features = pub.ref if pub is not None else torch.cat(chunks) if chunks else None
-        self._answer(work, PrefillResult(token, features, seq.seq_len, logprobs))
+        self._answer(work, PrefillResult(token, features, seq.seq_len, logprobs,
+                                         work.state.get("cached", 0)))
 
     def _commit_mamba_states(self, parts: list[Part], accepted: list[Acceptance | None]) -> None:
         """Hybrid models: each verified sequence keeps the recurrent state of its last
@@ -260,6 +271,10 @@ class TargetEngine(SequenceEngine[TargetSequence]):
 
     def kv_usage(self) -> float:
         return self.worker.kv_cache.usage()
+
+    def prefix_cached_pages(self) -> int:
+        cache = self.worker.kv_cache.prefix_cache
+        return len(cache) if cache is not None else 0
 
     def _publish_more(self) -> None:
         """Also the stream planes' events: before every answer (a ref's rows are on their way

@@ -5,7 +5,8 @@ write the same KV positions), no Verify before its Prefill has finished, and no 
 sequence whose forward this iteration already holds (it would free the pages that forward reads
 and writes). Those works stay queued for the next iteration.
 Admission: a Release runs at once; a Prefill creates its sequence (replacing an earlier one of
-the same id) and reserves the pages of its whole prompt before any forward; a Verify must find
+the same id), takes the cached pages of its prompt's longest cached prefix (prefix caching: the
+forward starts after them) and reserves the pages of the rest before any forward; a Verify must find
 its sequence, fit the context and have the recurrent states it needs (hybrid models). A work that fails admission is answered with its error and
 leaves no half-built sequence behind. Leases are swept by the engine (SequenceEngine)."""
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 
 from runtime.kv_cache import OutOfPages
 from runtime.penalties import PenaltyState
+from runtime.prefix_cache import page_keys
 from runtime.state_pool import OutOfStateSlots
+from services.common import metrics
 from services.common.callers import external
 from services.common.engine_loop import Work
 from services.common.errors import (
@@ -77,7 +80,8 @@ class TargetScheduler:
             self.answer(work, self.release_work(work))
             return None
         if work.kind == "prefill":
-            return Scheduled(work, n, self._prefill_sequence(work))
+            seq = self._prefill_sequence(work)
+            return Scheduled(work, min(n, len(work.payload.token_ids) - work.done_tokens), seq)
         seq = self.seqs.get(work.seq_id)
         if seq is None:
             raise NotFound(f"unknown sequence {external(work.seq_id)!r}: never prefilled, released, or its "
@@ -87,9 +91,11 @@ class TargetScheduler:
         return Scheduled(work, n, seq)
 
     def _prefill_sequence(self, work: Work) -> TargetSequence:
-        if work.done_tokens == 0:
+        if "seq" not in work.state:
             seq = self._start_prefill(work.payload)
             work.state.update(seq=seq, features=[])
+            work.done_tokens = seq.seq_len = work.state["cached"] = self._attach_prefix(
+                seq, work.payload)
             # all pages of the prompt at once: a prompt that does not fit fails before any
             # forward, instead of in a later chunk after others were slowed down by it
             self._ensure_pages(seq, len(work.payload.token_ids))
@@ -98,6 +104,21 @@ class TargetScheduler:
         if self.seqs.get(work.seq_id) is not seq:
             raise NotFound(f"sequence {external(work.seq_id)!r} was released or replaced during its prefill")
         return seq
+
+    def _attach_prefix(self, seq: TargetSequence, call: PrefillCall) -> int:
+        """The positions of the prompt whose KV comes from the prefix cache: its longest cached
+        prefix of full pages, short of its last token (whose forward gives the first output)
+        and, when the draft needs features, of call.features_from (cached positions compute
+        none)."""
+        kv = self.worker.kv_cache
+        if kv.prefix_cache is None:
+            return 0
+        limit = len(call.token_ids) - 1
+        if seq.capture_layers:
+            limit = min(limit, call.features_from)
+        hit = kv.attach_prefix(seq.table, page_keys(call.token_ids[:limit], kv.page_size))
+        metrics.record_prefix_lookup(len(call.token_ids), hit)
+        return hit
 
     def _check_verify(self, seq: TargetSequence, call: VerifyCall, n: int) -> None:
         max_ctx = self.worker.facts.max_context
@@ -122,7 +143,7 @@ class TargetScheduler:
             generator.manual_seed(seed)
         seq = TargetSequence(call.seq_id, call.sampling, call.capture_layers, call.feature_dtype,
                              generator, num_generated=call.num_generated,
-                             feature_plane=call.feature_plane)
+                             feature_plane=call.feature_plane, tokens=list(call.token_ids))
         if call.sampling.penalties.active:
             seq.penalties = PenaltyState.start(call.token_ids, call.num_generated,
                                                self.worker.facts.vocab_size, self.worker.device)

@@ -30,14 +30,17 @@ class TargetSequence:
     # its publications not yet freed, in position order, each with the position it ends before
     publications: list[tuple[Publication, int]] = field(default_factory=list)
     penalties: PenaltyState | None = None   # its committed tokens, when its sampling penalizes
+    tokens: list[int] = field(default_factory=list)   # the token at each position with KV (prompt
+                                                      # then committed): its pages' cache keys
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
-    def commit(self, tokens: int) -> None:
-        """A verify committed `tokens` block rows (the anchor and the accepted drafts)."""
-        self.seq_len += tokens
-        self.num_generated += tokens
+    def commit(self, tokens: list[int]) -> None:
+        """A verify committed these block rows' tokens (the anchor and the accepted drafts)."""
+        self.seq_len += len(tokens)
+        self.num_generated += len(tokens)
+        self.tokens.extend(tokens)
         self.touch()
 
     def suppress_rows(self, rows: int) -> int:

@@ -70,6 +70,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         if bad or len(set(layers)) != len(layers):
             raise InvalidArgument(f"capture_layers {list(layers)} invalid: ids must be distinct and "
                                   f"in [0, {f.num_layers})")
+        if request.features_from > len(ids):
+            raise InvalidArgument(f"features_from {request.features_from} is past the prompt's "
+                                  f"{len(ids)} tokens")
         if request.num_generated > len(ids):
             raise InvalidArgument(f"num_generated {request.num_generated} exceeds the "
                                   f"{len(ids)} tokens given")
@@ -80,11 +83,12 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             feature_dtype=tensor_codec.wire_dtype(request.feature_dtype or "bfloat16"),
             num_generated=request.num_generated, feature_plane=request.feature_plane,
             token_mask=_masks([request.token_mask], f.vocab_size)[0] if request.token_mask
-            else b"")
+            else b"", features_from=request.features_from)
         result = await engine.prefill(call)
         return target_pb2.PrefillResponse(
             next_token=result.next_token, seq_len=result.seq_len, **_features(result.features),
-            logprobs=_logprobs_pb(result.logprobs) if result.logprobs else None)
+            logprobs=_logprobs_pb(result.logprobs) if result.logprobs else None,
+            cached_tokens=result.cached_tokens)
 
     Verify, VerifyStream = call_stream.unary_and_stream("Verify", "verify",
                                                         target_pb2.VerifyStreamResponse)
@@ -222,7 +226,7 @@ def capabilities(worker: TargetWorker, planes: Sequence[PlaneInfo] = ()
                      for p in worker.verify_cost.chains],
         verify_cost_tree=[target_pb2.CostPoint(tokens=p.tokens, seconds=p.seconds)
                           for p in worker.verify_cost.trees],
-        verify_padded_blocks=list(worker.padded_blocks))
+        verify_padded_blocks=list(worker.padded_blocks), prefix_caching=worker.prefix_caching)
 
 
 def add_to_server(servicer: TargetServicer, server: grpc.aio.Server) -> list[str]:

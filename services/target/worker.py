@@ -25,6 +25,7 @@ from runtime.kv_cache import PagedKVCache
 from runtime.layers.linear import calibrate_cpu_gemm, set_cpu_gemm
 from runtime.models.forward import ForwardBatch, ForwardOutput
 from runtime.models.registry import load_model
+from runtime.prefix_cache import PrefixCache
 from runtime.tokenizer import tokenizer_fingerprint
 from services.common.errors import NotReady
 from services.target.config import TargetConfig
@@ -133,12 +134,29 @@ class TargetWorker:
                                                cfg.head_dim, self.config.page_size, self.dtype)
         pages = max(0, self.config.kv_budget_bytes - state_bytes) // per_page
         self.kv_cache = PagedKVCache(self.num_attention_layers, cfg.num_kv_heads, cfg.head_dim,
-                                     self.config.page_size, int(pages), self.dtype, self.device)
+                                     self.config.page_size, int(pages), self.dtype, self.device,
+                                     self._prefix_cache())
         self.stage = "pools"
         log.info("memory pools allocated", extra={
             "kv_pages": self.kv_cache.usable_pages, "page_size": self.config.page_size,
             "kv_tokens": self.kv_cache.usable_pages * self.config.page_size,
-            "state_bytes": state_bytes})
+            "state_bytes": state_bytes, "prefix_caching": self.prefix_caching})
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        """--enable-prefix-caching: None when off, and for hybrid models, whose recurrent
+        state at a page boundary is not kept: a cached prefix would give its KV but not its
+        state (every such prefix would have to miss)."""
+        if not self.config.prefix_caching:
+            return None
+        if self.facts.hybrid:
+            log.warning("prefix caching is off for this hybrid model: the recurrent state of a "
+                        "cached prefix is not kept, so every prefix would miss")
+            return None
+        return PrefixCache(self.config.prefix_cache_max_pages)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.kv_cache is not None and self.kv_cache.prefix_cache is not None
 
     @property
     def num_attention_layers(self) -> int:

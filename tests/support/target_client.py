@@ -26,10 +26,11 @@ class TargetClient:
 
     def prefill(self, seq: str, ids: list[int], sampling: common_pb2.SamplingParams | None = None,
                 capture_layers: tuple[int, ...] = (), feature_dtype: str = "",
-                num_generated: int = 0) -> target_pb2.PrefillResponse:
+                num_generated: int = 0, features_from: int = 0) -> target_pb2.PrefillResponse:
         return self.stub.Prefill(target_pb2.PrefillRequest(
             sequence_id=seq, token_ids=ids, sampling=sampling, capture_layers=capture_layers,
-            feature_dtype=feature_dtype, num_generated=num_generated), timeout=TIMEOUT_S)
+            feature_dtype=feature_dtype, num_generated=num_generated,
+            features_from=features_from), timeout=TIMEOUT_S)
 
     def verify(self, seq: str, ids: list[int], parents: list[int] | None = None
                ) -> target_pb2.VerifyResponse:
