@@ -77,12 +77,21 @@ def total(snapshot: dict, name: str, **labels: str) -> float:
                if n == name and labels.items() <= dict(lb).items())
 
 
+PREFIX_CACHING_OFF = ("--enable-prefix-caching", "off")
+
+
 class Services:
     """target (+ draft) + gateway as children via the launcher's Stack, with /metrics ports."""
 
-    def __init__(self, drafter: str, log_dir: Path, **options) -> None:
-        """options: further StackOptions (device, dtype, model_dir, ... for the GPU runs)."""
+    def __init__(self, drafter: str, log_dir: Path, prefix_caching: bool = False,
+                 **options) -> None:
+        """options: further StackOptions (device, dtype, model_dir, ... for the GPU runs).
+        prefix_caching: off unless asked for: the benchmarks repeat their prompts and measure
+        the loop, not the cache (bench.prefix_cache measures the cache)."""
         from dflash.stack import Stack, StackOptions
+        if not prefix_caching:
+            for role in ("target_args", "draft_args"):
+                options[role] = (*options.get(role, ()), *PREFIX_CACHING_OFF)
         self.opts = StackOptions(http_port=free_port(), port=free_port(),
                                  target_port=free_port(), draft_port=free_port(),
                                  target_metrics_port=free_port(), draft_metrics_port=free_port(),

@@ -124,6 +124,7 @@ class GpuStack:
 
     def __init__(self, tdir: Path, ddir: Path | None, args, log_dir: Path, taps: list[int],
                  tau: float | None, plane: str = "auto") -> None:
+        from bench.gateway_cpu import PREFIX_CACHING_OFF  # TTFT is measured, not the cache
         from dflash.stack import Stack, StackOptions
         self.taps, self.tau, self.plane = taps, tau, plane
         self.wires = tuple(args.wires)
@@ -135,11 +136,12 @@ class GpuStack:
             drafter="dflash" if ddir is not None else "none", draft_model=str(ddir or ""),
             log_dir=str(log_dir), quiet=True, ready_timeout_s=900, device=args.device,
             attention_backend=args.backend,
-            target_args=("--kv-budget", args.target_kv, "--max-block-size", "16",
-                         "--graph-capture-layers", capture, "--token-budget", "2048",
-                         "--feature-plane", plane, "--max-message-mib", "512"),
-            draft_args=("--kv-budget", args.draft_kv, "--token-budget", "8192",
-                        "--max-message-mib", "512"),
+            target_args=(*PREFIX_CACHING_OFF, "--kv-budget", args.target_kv,
+                         "--max-block-size", "16", "--graph-capture-layers", capture,
+                         "--token-budget", "2048", "--feature-plane", plane,
+                         "--max-message-mib", "512"),
+            draft_args=(*PREFIX_CACHING_OFF, "--kv-budget", args.draft_kv,
+                        "--token-budget", "8192", "--max-message-mib", "512"),
             gateway_args=("--wire", self.wires[0], "--max-message-mib", "512"),
             spec_tree_nodes=0,      # chains: forced acceptance is a chain's (dflash up: trees on GPU)
             target_hooks=HookFlags(random_weights=True, force_tau=tau or 0.0),

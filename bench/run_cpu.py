@@ -20,11 +20,12 @@ BENCHES = [
     ["bench.gateway_cpu"],
     ["bench.wire_cpu"],
     ["bench.adaptive_cpu"],
+    ["bench.prefix_cache"],
     ["dflash.cli", "eval-draft", "--out", "bench/results/drafter_eval.json"],
     ["bench.drafter_cpu"],
 ]
 WRITES_DOC = {"bench.cpu_gemm", "bench.target_cpu", "bench.gateway_cpu", "bench.wire_cpu",
-              "bench.adaptive_cpu"}
+              "bench.adaptive_cpu", "bench.prefix_cache"}
 TINY_EVAL = ["--per-split", "1", "--max-new-tokens", "8", "--temperatures", "0"]
 
 

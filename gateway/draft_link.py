@@ -108,6 +108,28 @@ class DraftLink:
             if draft is None:
                 self._to(DraftState.LOST, "no draft known at prefill")
 
+    async def open(self, spec: Speculation, prompt: list[int]) -> int:
+        """Before a Prefill that gives the draft its context (the request's first, a rebuild's):
+        a draft with prefix caching opens the sequence with the context it has cached of
+        `prompt`; returns the positions it holds (the feed starts there, and the target
+        computes features from there on). 0 when it has none, needs no features, or fails
+        (then its first Propose sends everything, as without the cache)."""
+        if (not self.keeps_context or spec.draft is None or not spec.draft.prefix_caching
+                or not self.capture_layers):
+            return 0
+        try:
+            resp = await self.gw.draft.call(
+                "OpenSequence", draft_pb2.OpenSequenceRequest(sequence_id=self.seq_id,
+                                                              token_ids=prompt),
+                self.config.step_timeout_s)
+        except UpstreamError as e:
+            log.debug("draft OpenSequence failed (%s); its context starts at 0", e.code.name,
+                      extra=self.ids)
+            return 0
+        self.touched = True
+        self.feed = DraftFeed(resp.cached_tokens)
+        return resp.cached_tokens
+
     def capture(self) -> tuple[list[int], str, str]:
         """What a Prefill captures for the draft: layers, dtype, and the feature plane that the
         draft reads now ("" = in the answer)."""
@@ -183,7 +205,8 @@ class DraftLink:
         return False
 
     async def _rebuild(self, spec: Speculation) -> bool:
-        """Give the draft the whole context again, from position 0."""
+        """Give the draft the whole context again (from what it has cached of it, else from
+        position 0)."""
         if not self.rebuilds.take():
             self._to(DraftState.DISABLED, "rebuilds ran out")
             return False
@@ -192,12 +215,13 @@ class DraftLink:
         self.capture_layers = spec.capture_layers
         self.feature_dtype = spec.draft.feature_dtype
         context: Context = self.target.context()
+        self.feed.reset()
+        held = await self.open(spec, context.token_ids)       # its own cache, after the release
         chunk = None
         if self.capture_layers:
-            chunk = answer_chunk(await self.target.prefill(context.token_ids,
-                                                           context.num_generated))
-        self.feed.reset()
-        self.feed.append(chunk, context.token_ids)
+            chunk = answer_chunk(await self.target.prefill(
+                context.token_ids, context.num_generated, features_from=held))
+        self.feed.append(chunk, context.token_ids[held:])
         self.generation = spec.generation
         self._to(DraftState.SYNCED, "rebuilt")
         return True

@@ -42,6 +42,7 @@ _background: set[asyncio.Task] = set()
 class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
+    cached_tokens: int = 0           # prompt tokens whose KV the target had cached
     verify_steps: int = 0
     draft_steps: int = 0             # verify steps that carried at least one draft token
     draft_tokens: int = 0
@@ -116,12 +117,14 @@ class Generation:
         self.draft.choose_capture(self.state.speculation())
         prompt = list(self.req.prompt_ids)
         mask = self.grammar.mask() if self.grammar is not None else b""
-        resp = await self.target.prefill(prompt, 0, token_mask=mask)
+        held = await self.draft.open(self.state.speculation(), prompt)
+        resp = await self.target.prefill(prompt, 0, token_mask=mask, features_from=held)
+        self.usage.cached_tokens = resp.cached_tokens
         if self.grammar is not None:
             self.grammar.accept([resp.next_token])
         chunk = answer_chunk(resp)
         self.telemetry.prefill_done(chunk_nbytes(chunk) if chunk is not None else None)
-        self.draft.keep(chunk, prompt)
+        self.draft.keep(chunk, prompt[held:])
         return self._deliver([resp.next_token], 0, [resp.logprobs] if resp.HasField("logprobs")
                              else [])
 

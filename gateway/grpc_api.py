@@ -100,7 +100,8 @@ def _to_proto(event: Event) -> gateway_pb2.GenerateResponse:
 def _usage(u: Usage) -> gateway_pb2.Usage:
     return gateway_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                              verify_steps=u.verify_steps, accepted_tokens=u.accepted_tokens,
-                             draft_steps=u.draft_steps, draft_tokens=u.draft_tokens)
+                             draft_steps=u.draft_steps, draft_tokens=u.draft_tokens,
+                             cached_tokens=u.cached_tokens)
 
 
 def add_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> list[str]:

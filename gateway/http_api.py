@@ -285,6 +285,7 @@ class ChunkShape:
 def usage_dict(u: Usage) -> dict[str, Any]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
             "spec_decode": {"verify_steps": u.verify_steps, "draft_steps": u.draft_steps,
                             "draft_tokens": u.draft_tokens, "accepted_tokens": u.accepted_tokens,
                             "mean_acceptance_length": round(u.mean_acceptance_length, 4)}}

@@ -96,12 +96,13 @@ class TargetLink:
         self.preemptions = 0             # the sequence given back because the pools were full
 
     async def prefill(self, ids: list[int], num_generated: int,
-                      recovery: Recovery | None = None, token_mask: bytes = b""
-                      ) -> target_pb2.PrefillResponse:
+                      recovery: Recovery | None = None, token_mask: bytes = b"",
+                      features_from: int = 0) -> target_pb2.PrefillResponse:
         """A Prefill replaces the sequence, so after a failure that a wait can cure (the target
         down or restarting, its pools full) it is simply sent again. token_mask: structured
         output's allowed first tokens (only the request's first Prefill: a rebuild's next token
-        is not used)."""
+        is not used). features_from: the draft holds the positions below it (features of the
+        rest only; the target's prefix cache is used below it)."""
         recovery = recovery or Recovery(self.config)
         while True:
             layers, dtype, plane = self.capture()
@@ -109,7 +110,7 @@ class TargetLink:
                 sequence_id=self.seq_id, token_ids=ids,
                 sampling=self.req.sampling_pb(self.prefills), capture_layers=layers,
                 feature_dtype=dtype, num_generated=num_generated, feature_plane=plane,
-                token_mask=token_mask)
+                token_mask=token_mask, features_from=features_from)
             try:
                 resp = await self.state.target.call("Prefill", req, self.config.prefill_timeout_s)
             except UpstreamError as e:
@@ -157,7 +158,10 @@ class TargetLink:
             log.info("target lost the sequence (%s); prefilling it again", e.code.name,
                      extra=self.ids)
         context = self.context()
-        await self.prefill(context.token_ids, context.num_generated, recovery)
+        # the draft holds (or is fed) every committed position's features already: none are
+        # needed, so the target may take all it has cached of the sequence's own pages
+        await self.prefill(context.token_ids, context.num_generated, recovery,
+                           features_from=len(context.token_ids))
 
     async def _wait_out(self, e: UpstreamError, recovery: Recovery) -> bool:
         """True when the call may be sent again: the target is back (UNAVAILABLE), a backoff

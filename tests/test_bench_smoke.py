@@ -157,6 +157,17 @@ def adaptive_shape(d: dict) -> None:
     positive(*(r["tokens_per_s"] for r in d["rows"]))
 
 
+def prefix_cache(d: dict) -> None:
+    """Cache on and off: both workloads measured, the later turns found the earlier ones, the
+    outputs equal."""
+    for name in ("on", "off"):
+        positive(d[name]["multi_turn"]["tokens_per_s"], d[name]["shared_system"]["ttft_rest_ms"])
+    assert d["on"]["multi_turn"]["hit_rate"]["target"] > 0
+    assert d["on"]["multi_turn"]["hit_rate"]["draft"] > 0
+    assert not d["off"]["multi_turn"]["hit_rate"]["target"]
+    assert d["summary"]["identical_outputs"] is True
+
+
 def spec_load_cpu(d: dict) -> None:
     assert len(d["configs"]) == 2 and d["levels"] == [1, 2]
     for rows in d["configs"].values():
@@ -246,6 +257,7 @@ BENCHES = [
     Bench("gpu_side_by_side", gpu_side_by_side, out_is_dir="gpu_side_by_side.json"),
     Bench("h200_micro", h200_micro),
     Bench("hybrid_cpu", hybrid_cpu, extra=("--threads", "1")),        # as OMP_NUM_THREADS
+    Bench("prefix_cache", prefix_cache, "## Prefix caching (CPU)"),
     Bench("simulated_tau", simulated_tau),
     Bench("smollm2_gpu", smollm2_gpu),
     Bench("spec_load_cpu", spec_load_cpu, "## Speculation under load (CPU)"),
@@ -322,7 +334,7 @@ def test_run_cpu_tiny_runs_each_benchmark_tiny_into_its_folder(tmp_path):
         assert "--tiny" in cmd or cmd[:2] == ["dflash.cli", "eval-draft"], cmd
     assert {c[0] for c in commands if "--doc" in c} == {
         "bench.cpu_gemm", "bench.target_cpu", "bench.gateway_cpu", "bench.wire_cpu",
-        "bench.adaptive_cpu"}
+        "bench.adaptive_cpu", "bench.prefix_cache"}
 
 
 def test_tiny_never_writes_the_committed_results_or_the_doc(tmp_path):

@@ -110,7 +110,7 @@ def test_the_cap_frees_the_least_recently_used_pages_a_sequences_deepest_first()
 
 def test_clear_keeps_referenced_pages():
     kv = cache()
-    a, _ = run(kv, list(range(1, 10)))
+    run(kv, list(range(1, 10)))                          # held: its pages stay
     b, _ = run(kv, list(range(20, 30)))
     kv.release(b)
     kv.clear_prefix_cache()
@@ -172,3 +172,13 @@ def test_random_sequences_only_ever_attach_the_tokens_they_asked_for(max_idle):
         for table, tokens in live:
             assert held(kv, table, len(tokens)) == tokens
     assert hits > 50
+
+
+def test_a_requests_prefix_keys_find_the_pages_a_service_cached():
+    """The gateway's placement hook computes the keys the services file pages under."""
+    from gateway.request import GenerationRequest
+    kv = cache()
+    prompt = list(range(1, 14))
+    table, _ = run(kv, prompt)
+    keys = GenerationRequest(prompt_ids=tuple(prompt)).prefix_keys(PS)
+    assert len(keys) == 3 and kv.prefix_cache.match(keys) == table.pages[:3]

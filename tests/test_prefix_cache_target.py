@@ -100,3 +100,31 @@ def test_without_the_cache_nothing_is_reused(targets):
     first, _ = decode(off, "y", PROMPT, 0)
     assert first.cached_tokens == 0
     off.release("y")
+
+
+def test_chunked_prefills_answer_exactly_the_rows_from_features_from(tiny_llama_dir):
+    """In process, a prompt prefilled in chunks of 16 with features_from in the middle of its
+    second chunk, after a first sequence cached its pages: the rows answered are those of a
+    whole uncached prefill from features_from on, and the cached pages are below it."""
+    from support.inproc_target import loaded_worker, run, started_engine
+
+    from runtime.sampling import SamplingConfig
+    from services.target.calls import PrefillCall
+    worker = loaded_worker(tiny_llama_dir, prefix_caching=True, token_budget=16,
+                           max_block_size=8)
+    engine = started_engine(worker)
+    prompt = PROMPT + PROMPT[:9]                              # 49 tokens, 4 chunks
+    try:
+        def prefill(seq: str, features_from: int):
+            return run(engine.prefill(PrefillCall(seq, prompt, SamplingConfig(), (0, 1),
+                                                  torch.float32, features_from=features_from)))
+        whole = prefill("whole", 0)
+        assert whole.cached_tokens == 0 and whole.features.shape[0] == len(prompt)
+        run(engine.release("whole"))
+        part = prefill("part", 22)
+        assert part.cached_tokens == 20 and part.next_token == whole.next_token
+        torch.testing.assert_close(part.features, whole.features[22:], rtol=1e-4, atol=1e-4)
+        none = prefill("none", len(prompt))                  # a rebuild: no rows wanted
+        assert none.cached_tokens == 48 and none.features.shape[0] == 0
+    finally:
+        engine.stop()

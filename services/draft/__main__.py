@@ -69,7 +69,9 @@ def config_from_args(args: argparse.Namespace) -> DraftConfig:
         block_size=args.block_size, max_ngram=args.max_ngram, min_ngram=args.min_ngram,
         token_budget=args.token_budget, lease_seconds=args.lease_seconds,
         feature_dtype=args.feature_dtype, model_id=args.model_id,
-        cuda_graphs=not args.no_cuda_graphs, cpu_gemm=args.cpu_gemm)
+        cuda_graphs=not args.no_cuda_graphs, cpu_gemm=args.cpu_gemm,
+        prefix_caching=args.enable_prefix_caching,
+        prefix_cache_max_pages=args.prefix_cache_max_pages)
 
 
 def metrics_name(config: DraftConfig) -> str:

@@ -31,6 +31,10 @@ class DraftConfig:
     model_id: str = ""
     cuda_graphs: bool = True           # capture the propose forward during warm-up (CUDA + triton)
     cpu_gemm: str = DEFAULT_CPU_GEMM   # fp32 CPU GEMM (runtime/layers/linear.py): auto | onednn | torch
+    # dflash: context pages of committed positions kept for later prompts that start the same
+    # way (OpenSequence); the service's flag defaults to on, in-process users to off
+    prefix_caching: bool = False
+    prefix_cache_max_pages: int = 0    # most unreferenced cached pages kept (0: all spare pages)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -34,9 +34,11 @@ from runtime.models.dflash import (
     target_layer_ids_problem,
 )
 from runtime.models.forward import ForwardBatch, ForwardOutput
+from runtime.prefix_cache import PrefixCache, page_keys
 from services.common.feature_plane import join_rows
 from services.draft.config import AUTO_DTYPE, DraftConfig
 from services.draft.drafter import Drafter, DrafterFacts, DrafterRefused, ProposeItem
+from services.draft.sequence import DraftSequence
 
 log = logging.getLogger("dflash.draft.dflash")
 TREE_TOP_K = 16                     # candidates per block position a tree is built from
@@ -123,8 +125,11 @@ class DFlashDrafter(Drafter):
         per_page = PagedKVCache.bytes_per_page(base.num_layers, base.num_kv_heads, base.head_dim,
                                                self.config.page_size, self.dtype)
         pages = self.config.kv_budget_bytes // per_page
+        prefix = (PrefixCache(self.config.prefix_cache_max_pages) if self.config.prefix_caching
+                  else None)
         self.cache = PagedKVCache(base.num_layers, base.num_kv_heads, base.head_dim,
-                                  self.config.page_size, int(pages), self.dtype, self.device)
+                                  self.config.page_size, int(pages), self.dtype, self.device,
+                                  prefix)
         cls = backend_class(self.config.attention_backend)
         self.backend = cls(self.cache, base.num_heads, base.num_kv_heads, base.head_dim,
                            base.head_dim ** -0.5)
@@ -150,6 +155,39 @@ class DFlashDrafter(Drafter):
 
     def release(self, seq) -> None:
         self.cache.release(seq.table)
+
+    # -- prefix caching: the context K/V of a position depends only on its target features,
+    # which depend only on the tokens up to it, so the target's page keys name it too --------
+    @property
+    def prefix_caching(self) -> bool:
+        return self.cache is not None and self.cache.prefix_cache is not None
+
+    def attach_prefix(self, seq: DraftSequence, token_ids: list[int]) -> int:
+        """Short of the prompt's last token, as on the target (whose forward of it gives the
+        first output, and its features)."""
+        if not self.prefix_caching:
+            return 0
+        limit = len(token_ids) - 1
+        hit = self.cache.attach_prefix(seq.table, page_keys(token_ids[:limit],
+                                                            self.cache.page_size))
+        seq.tokens = list(token_ids[:hit])
+        return hit
+
+    def prefix_cached_pages(self) -> int:
+        return len(self.cache.prefix_cache) if self.prefix_caching else 0
+
+    def _cache_context(self, items: list[ProposeItem]) -> None:
+        """The items' new context is committed: its full pages enter the prefix cache, keyed
+        by the tokens the Propose named (a sequence whose tokens were not all named stops
+        there: its keys would be unknown)."""
+        if not self.prefix_caching:
+            return
+        for item in items:
+            seq = item.seq
+            if len(seq.tokens) != item.start or len(item.token_ids) != item.num_new:
+                continue
+            seq.tokens.extend(item.token_ids)
+            self.cache.cache_full_pages(seq.table, seq.tokens, item.context_len)
 
     def kv_usage(self) -> float:
         return self.cache.usage() if self.cache is not None else 0.0
@@ -183,6 +221,7 @@ class DFlashDrafter(Drafter):
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
         runs = [replace(i, block_size=self._run_block(i)) for i in items]
         out = self._propose(runs)
+        self._cache_context(items)
         return [t if len(t.tokens) < i.block_size or not t.is_chain
                 else DraftTree.chain(t.tokens[: i.block_size - 1]) for i, t in zip(items, out)]
 

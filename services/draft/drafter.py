@@ -95,6 +95,19 @@ class Drafter(ABC):
     def release(self, seq: DraftSequence) -> None:
         """Free what the sequence holds."""
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether attach_prefix can find cached context."""
+        return False
+
+    def attach_prefix(self, seq: DraftSequence, token_ids: list[int]) -> int:
+        """A new sequence takes the cached context of the longest cached prefix of the prompt
+        `token_ids`; returns the positions it holds (0: none, or no prefix caching)."""
+        return 0
+
+    def prefix_cached_pages(self) -> int:
+        return 0
+
     def kv_usage(self) -> float:
         return 0.0
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.kv_cache import OutOfPages
+from services.common import metrics
 from services.common.callers import external
 from services.common.engine_loop import Work
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, ServiceError
@@ -50,6 +51,11 @@ class DraftEngine(SequenceEngine[DraftSequence]):
         return await self._submit(Work("propose", call.seq_id, call,
                                        cost=call.num_new + call.block_size))
 
+    async def open(self, seq_id: str, token_ids: list[int]) -> int:
+        """A new sequence (replacing one of that id) holding the context of the prompt's
+        longest cached prefix; returns the positions it holds (prefix caching)."""
+        return await self._submit(Work("open", seq_id, token_ids, cost=0))
+
     # -- engine thread -------------------------------------------------------------------------
     def _step(self, batch: list[tuple[Work, int]]) -> None:
         self._sweep_leases()
@@ -61,6 +67,9 @@ class DraftEngine(SequenceEngine[DraftSequence]):
             seen.add(work.seq_id)
             if work.kind == "release":
                 work.resolve(self._release_work(work))
+                continue
+            if work.kind == "open":
+                work.resolve(self._open(work.seq_id, work.payload))
                 continue
             try:
                 admitted.append((work, self._admit(work.payload)))
@@ -100,6 +109,15 @@ class DraftEngine(SequenceEngine[DraftSequence]):
             raise
         return item
 
+    def _open(self, seq_id: str, token_ids: list[int]) -> int:
+        if seq_id in self.seqs:
+            self._release(seq_id)
+        seq = self.seqs[seq_id] = DraftSequence(seq_id)
+        seq.context_len = self.drafter.attach_prefix(seq, token_ids)
+        metrics.record_prefix_lookup(len(token_ids), seq.context_len)
+        self._publish()
+        return seq.context_len
+
     def _drop_if(self, created: bool, seq_id: str) -> None:
         if created:
             self._release(seq_id)
@@ -130,3 +148,6 @@ class DraftEngine(SequenceEngine[DraftSequence]):
 
     def kv_usage(self) -> float:
         return self.drafter.kv_usage()
+
+    def prefix_cached_pages(self) -> int:
+        return self.drafter.prefix_cached_pages()

@@ -12,7 +12,8 @@ class DraftSequence:
     seq_id: str
     table: PageTable = field(default_factory=PageTable)
     context_len: int = 0        # positions whose context (features / tokens) is committed
-    tokens: list[int] = field(default_factory=list)   # prompt lookup: committed token ids
+    tokens: list[int] = field(default_factory=list)   # committed token ids (prompt lookup; the
+                                                      # prefix cache's keys)
     last_used: float = field(default_factory=time.monotonic)
     born: float = field(default_factory=time.monotonic)
 

@@ -39,7 +39,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     @rpc
     async def GetCapabilities(self, request, context) -> draft_pb2.DraftCapabilities:
         facts, _ = self._ready()
-        return capabilities(facts, self.lease_seconds, self.planes.transports)
+        return capabilities(facts, self.lease_seconds, self.planes.transports,
+                            self.engine.drafter.prefix_caching)
 
     @rpc
     async def AttachPlane(self, request: common_pb2.FeaturePlane, context
@@ -69,6 +70,17 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         return draft_pb2.ProposeResponse(draft_tokens=result.draft_tokens,
                                          context_len=result.context_len,
                                          draft_parents=result.draft_parents)
+
+    @rpc
+    async def OpenSequence(self, request: draft_pb2.OpenSequenceRequest, context
+                           ) -> draft_pb2.OpenSequenceResponse:
+        facts, engine = self._ready()
+        seq_key = callers.key(callers.owner(context), validation.sequence_id(request.sequence_id))
+        ids = validation.token_ids(request.token_ids, facts.vocab_size)
+        if len(ids) > facts.max_context:
+            raise InvalidArgument(f"a prompt of {len(ids)} tokens passes the drafter's max "
+                                  f"context {facts.max_context}")
+        return draft_pb2.OpenSequenceResponse(cached_tokens=await engine.open(seq_key, ids))
 
     @rpc
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
@@ -175,8 +187,8 @@ def _chunks(request: draft_pb2.ProposeRequest, facts: DrafterFacts, rows: int,
     return join_rows(parts, planes.device if planes is not None else torch.device("cpu"))
 
 
-def capabilities(facts: DrafterFacts, lease_seconds: float, transports: Sequence[str] = ()
-                 ) -> draft_pb2.DraftCapabilities:
+def capabilities(facts: DrafterFacts, lease_seconds: float, transports: Sequence[str] = (),
+                 prefix_caching: bool = False) -> draft_pb2.DraftCapabilities:
     t = facts.target
     return draft_pb2.DraftCapabilities(
         protocol_version=PROTOCOL_VERSION, drafter_kind=facts.kind, block_size=facts.block_size,
@@ -187,7 +199,8 @@ def capabilities(facts: DrafterFacts, lease_seconds: float, transports: Sequence
         max_block_size=facts.max_block_size, needs_features=facts.needs_features,
         model_id=facts.model_id, lease_seconds=int(lease_seconds),
         max_tree_nodes=facts.max_tree_nodes,
-        feature_transports=list(transports) if facts.needs_features else [])
+        feature_transports=list(transports) if facts.needs_features else [],
+        prefix_caching=prefix_caching)
 
 
 def add_to_server(servicer: DraftServicer, server: grpc.aio.Server) -> list[str]:

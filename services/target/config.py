@@ -40,7 +40,9 @@ class TargetConfig:
     # seconds of start-up spent measuring the verify cost curve for the gateway's --speculation
     # auto (services/target/cost_calibration.py); 0 = off (in-process users need none)
     cost_calibration_s: float = 0.0
-    prefix_caching: bool = True        # full KV pages of committed tokens kept for later prompts
+    # full KV pages of committed tokens kept for later prompts (runtime/prefix_cache.py); the
+    # service's flag defaults to on, in-process users (benchmarks timing a prefill) to off
+    prefix_caching: bool = False
     prefix_cache_max_pages: int = 0    # most unreferenced cached pages kept (0: all spare pages)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,240 @@
+"""Prefix caching through `dflash up` (target + draft + gateway): cache on against off.
+
+Two workloads, each run on a stack with the cache on and one with it off (one after the other):
+- multi-turn chat: C conversations of T turns each (SmolLM2's chat template; each turn's prompt
+  holds the conversation so far, the model's answers included), the conversations run at once
+  (c = C), turn after turn: output tokens per second over the whole workload, the median time
+  to first token of first turns and of later turns;
+- a shared system prompt of about S tokens ahead of R different short questions, run one at a
+  time: the median time to first token of the questions after the first.
+The hit rate: the target's and the draft's dflash_prefix_cache_hits_total / _queries_total over
+the run. Greedy; every output is checked equal between the two stacks.
+
+    python -m bench.prefix_cache                     # CPU, SmolLM2 fp32 + the shipped drafter
+    python -m bench.prefix_cache --device cuda       # bf16 on a GPU (--out, --doc elsewhere)
+
+Writes bench/results/prefix_cache.json and the "Prefix caching (CPU)" section of
+docs/benchmarks.md (with --device cuda: "Prefix caching (GPU)")."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.gateway_cpu import Services, total
+from bench.report import add_output_flags, machine, render_only, save
+from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
+from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from runtime.tokenizer import ChatTokenizer
+
+QUESTIONS = ["Name three colours of the rainbow.", "Which of them is the warmest?",
+             "Why do leaves change colour in autumn?", "Give one example.",
+             "What is the capital of France?", "And of Italy?", "Which is further south?",
+             "Explain gravity to a child.", "Say that again in one sentence.",
+             "What is two plus two?", "Write a haiku about the sea.", "Now one about rain."]
+SYSTEM_LINE = ("You are a helpful assistant for a library. Be accurate, cite the shelf where a "
+               "book can be found, keep answers short, and never invent titles. ")
+
+
+async def request(stub, ids: list[int], max_tokens: int) -> tuple[list[int], str, float]:
+    """Greedy: (token ids, text, time to first token)."""
+    req = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=ids),
+                                      max_tokens=max_tokens,
+                                      sampling=common_pb2.SamplingParams(temperature=0))
+    t0, ttft, out, text = time.perf_counter(), 0.0, [], []
+    async for r in stub.Generate(req, timeout=1800):
+        if not ttft and r.token_ids:
+            ttft = time.perf_counter() - t0
+        out += r.token_ids
+        text.append(r.text)
+    return out, "".join(text), ttft
+
+
+async def multi_turn(address: str, tok: ChatTokenizer, conversations: int, turns: int,
+                     max_tokens: int) -> dict:
+    """Every conversation at once, each turn after the previous one's answer."""
+    ttfts: dict[str, list[float]] = {"first": [], "later": []}
+    outputs: list[list[list[int]]] = []
+    produced = 0
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+
+        async def conversation(c: int) -> list[list[int]]:
+            nonlocal produced
+            messages, outs = [], []
+            for t in range(turns):
+                messages.append({"role": "user",
+                                 "content": QUESTIONS[(c * turns + t) % len(QUESTIONS)]})
+                ids = tok.encode(tok.apply_chat_template(messages))
+                out, text, ttft = await request(stub, ids, max_tokens)
+                messages.append({"role": "assistant", "content": text})
+                ttfts["first" if t == 0 else "later"].append(ttft)
+                produced += len(out)
+                outs.append(out)
+            return outs
+
+        t0 = time.perf_counter()
+        outputs = await asyncio.gather(*(conversation(c) for c in range(conversations)))
+        seconds = time.perf_counter() - t0
+    return {"tokens": produced, "seconds": round(seconds, 3),
+            "tokens_per_s": round(produced / seconds, 2),
+            "ttft_first_ms": round(1e3 * statistics.median(ttfts["first"]), 1),
+            "ttft_later_ms": round(1e3 * statistics.median(ttfts["later"]), 1),
+            "outputs": outputs}
+
+
+async def shared_system(address: str, tok: ChatTokenizer, system: str, questions: int,
+                        max_tokens: int) -> dict:
+    """The questions one at a time behind the same system prompt."""
+    ttfts, outputs = [], []
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        for q in range(questions):
+            ids = tok.encode(tok.apply_chat_template(
+                [{"role": "system", "content": system},
+                 {"role": "user", "content": QUESTIONS[q % len(QUESTIONS)]}]))
+            out, _, ttft = await request(stub, ids, max_tokens)
+            ttfts.append(ttft)
+            outputs.append(out)
+    return {"prompt_tokens": len(ids), "ttft_first_ms": round(1e3 * ttfts[0], 1),
+            "ttft_rest_ms": round(1e3 * statistics.median(ttfts[1:]), 1), "outputs": outputs}
+
+
+def hit_rate(before: dict, after: dict, service: str) -> float | None:
+    """Hits / queries (tokens) of one service over the run."""
+    def delta(name: str) -> float:
+        return total(after.get(service, {}), name) - total(before.get(service, {}), name)
+    queries, hits = delta("dflash_prefix_cache_queries_total"), delta(
+        "dflash_prefix_cache_hits_total")
+    return round(hits / queries, 3) if queries else None
+
+
+def measure(args: argparse.Namespace, tok: ChatTokenizer, system: str, cached: bool,
+            log_dir: Path, options: dict) -> dict:
+    with Services("dflash", log_dir, prefix_caching=cached, **options) as svc:
+        address = f"127.0.0.1:{svc.opts.port}"
+        asyncio.run(request_once(address, tok))                       # warm-up
+        before = svc.snapshot()
+        chat = asyncio.run(multi_turn(address, tok, args.conversations, args.turns,
+                                      args.max_tokens))
+        mid = svc.snapshot()
+        shared = asyncio.run(shared_system(address, tok, system, args.questions,
+                                           args.max_tokens))
+        after = svc.snapshot()
+    for part, (a, b) in (("multi_turn", (before, mid)), ("shared_system", (mid, after))):
+        run = chat if part == "multi_turn" else shared
+        run["hit_rate"] = {s: hit_rate(a, b, s) for s in ("target", "draft")}
+    return {"multi_turn": chat, "shared_system": shared}
+
+
+async def request_once(address: str, tok: ChatTokenizer) -> None:
+    async with grpc.aio.insecure_channel(address) as ch:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi."}]))
+        await request(gateway_pb2_grpc.GatewayStub(ch), ids, 4)
+
+
+def summary(on: dict, off: dict) -> dict:
+    m_on, m_off = on["multi_turn"], off["multi_turn"]
+    s_on, s_off = on["shared_system"], off["shared_system"]
+    return {"throughput_ratio": round(m_on["tokens_per_s"] / m_off["tokens_per_s"], 3),
+            "later_turn_ttft_ratio": round(m_off["ttft_later_ms"] / m_on["ttft_later_ms"], 2),
+            "shared_prompt_ttft_ratio": round(s_off["ttft_rest_ms"] / s_on["ttft_rest_ms"], 2),
+            "identical_outputs": m_on["outputs"] == m_off["outputs"]
+            and s_on["outputs"] == s_off["outputs"]}
+
+
+def section_for(device: str) -> str:
+    return "## Prefix caching (GPU)" if device != "cpu" else "## Prefix caching (CPU)"
+
+
+def markdown(r: dict) -> str:
+    on, off, s = r["on"], r["off"], r["summary"]
+    m = r["machine"]
+    where = r.get("gpu") or f"{m['cpu']}, {m['cores']} cores"
+    rows = [(f"multi-turn: output tokens/s (c = {r['conversations']})",
+             "tokens_per_s", "multi_turn"),
+            ("multi-turn: TTFT of first turns (ms, median)", "ttft_first_ms", "multi_turn"),
+            ("multi-turn: TTFT of later turns (ms, median)", "ttft_later_ms", "multi_turn"),
+            ("shared system prompt: TTFT of the first question (ms)", "ttft_first_ms",
+             "shared_system"),
+            ("shared system prompt: TTFT of the others (ms, median)", "ttft_rest_ms",
+             "shared_system")]
+    intro = (f"{where}, {r['dtype']}, SmolLM2-135M-Instruct + the shipped drafter, `dflash up` "
+             f"defaults, {r['date']}: `{r['command']}` (results: "
+             f"`{r.get('json', 'bench/results/prefix_cache.json')}`). {r['conversations']} "
+             f"conversations x {r['turns']} turns at once, {r['max_tokens']} tokens per answer; "
+             f"then {r['questions']} questions one at a time behind a "
+             f"{on['shared_system']['prompt_tokens']}-token system prompt (with its question).")
+    lines = [section_for(r["device"]), "", intro, "", "| | cache on | cache off |",
+             "|---|---|---|"]
+    for label, key, part in rows:
+        lines.append(f"| {label} | {on[part][key]} | {off[part][key]} |")
+    for part in ("multi_turn", "shared_system"):
+        rate = on[part]["hit_rate"]
+        lines.append(f"| {part.replace('_', ' ')}: hit rate target / draft (tokens) | "
+                     f"{rate['target']} / {rate['draft']} | - |")
+    closing = (f"Throughput of the multi-turn workload with the cache: "
+               f"{s['throughput_ratio']}x (goal >= 1.5x at c = 8); TTFT of later turns "
+               f"{s['later_turn_ttft_ratio']}x lower (goal >= 5x, on the GPU); behind the shared "
+               f"system prompt {s['shared_prompt_ttft_ratio']}x lower. Outputs identical with "
+               f"and without the cache: {s['identical_outputs']}.")
+    lines += ["", closing]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.prefix_cache",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--questions", type=int, default=6)
+    p.add_argument("--system-tokens", type=int, default=2000)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (then bf16 and triton)")
+    add_output_flags(p, "prefix_cache")
+    add_tiny_flag(p)
+    args = p.parse_args(argv)
+    tiny_outputs(args, p, "prefix_cache")
+    if render_only(args, section_for(args.device), markdown):
+        return
+    if args.tiny:
+        args.conversations, args.turns, args.max_tokens = 2, 2, 4
+        args.questions, args.system_tokens = 2, 100
+    from dflash.prepare.smollm2 import prepare_smollm2
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    model = prepare_smollm2([dtype], progress=False)[dtype]
+    tok = ChatTokenizer(model)
+    line_tokens = len(tok.encode(SYSTEM_LINE))
+    system = SYSTEM_LINE * max(1, args.system_tokens // line_tokens)
+    options = {} if args.device == "cpu" else {
+        "device": args.device, "dtype": dtype, "attention_backend": "triton",
+        "model_dir": str(model), "ready_timeout_s": 900}
+    result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
+                    "command": "python -m bench.prefix_cache " + " ".join(argv or sys.argv[1:]),
+                    "device": args.device, "dtype": dtype, "conversations": args.conversations,
+                    "turns": args.turns, "max_tokens": args.max_tokens,
+                    "questions": args.questions}
+    if args.tiny:
+        result.update(tiny_fields())
+    if args.device != "cpu":
+        import torch
+        result["gpu"] = torch.cuda.get_device_name(args.device)
+    with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
+        for name, cached in (("on", True), ("off", False)):
+            result[name] = measure(args, tok, system, cached, Path(tmp) / name, options)
+            print(name, {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
+                         for k, v in result[name].items()}, flush=True)
+    result["summary"] = summary(result["on"], result["off"])
+    save(result, Path(args.out), Path(args.doc), section_for(args.device), markdown)
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
