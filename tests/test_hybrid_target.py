@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 from support import prom
-from support.hybrid import hf_greedy, hf_model, make_tiny_hybrid
+from support.hybrid import hf_greedy, hf_model, make_tiny_hybrid, speculate
 from support.procs import free_port, start_target
 from support.target_client import TargetClient, expect_status
 
@@ -155,27 +155,6 @@ def test_state_slots_run_out_and_nothing_leaks(hybrid_dir, logs):
     finally:
         client.close()
         assert server.stop() == 0
-
-
-def speculate(client: TargetClient, seq: str, prompt: list[int], reference: list[int], n: int,
-              block: int = 6) -> tuple[list[int], int]:
-    """Greedy speculative decoding where the drafts are the reference continuation with one
-    token broken per block (so most blocks accept part of their drafts). Returns (output,
-    number of partial accepts)."""
-    out = [client.prefill(seq, prompt).next_token]
-    partial, step = 0, 0
-    while len(out) < n:
-        pos = len(out)
-        drafts = list(reference[pos: pos + block - 1])
-        if drafts:
-            k = step % len(drafts)
-            drafts[k] = (drafts[k] + 1) % 256
-        r = client.verify(seq, [out[-1]] + drafts)
-        partial += 0 < r.accepted < len(drafts)
-        out.extend(r.committed_tokens)
-        step += 1
-    client.release(seq)
-    return out[:n], partial
 
 
 @pytest.mark.slow              # two target processes

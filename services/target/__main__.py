@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               "--speculation auto (0 = off: the gateway then uses fixed speculation)")
     flags.add(p, "--feature-plane-mib", 512, int, "size of each feature plane (full: features "
               "go in messages)")
+    flags.add(p, "--prefix-state-checkpoints", 16, int, "hybrid models with prefix caching: "
+              "recurrent states kept at page boundaries of cached prefixes (each the size of "
+              "one sequence's state, within --kv-budget); 0 = none, prefix caching off for them")
     args = p.parse_args(argv)
     if not args.model:
         p.error("--model (or DFLASH_MODEL) is required")
@@ -76,7 +79,8 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         verify_state_slots=args.verify_state_slots, cpu_gemm=args.cpu_gemm,
         feature_plane=args.feature_plane, feature_plane_mib=args.feature_plane_mib,
         cost_calibration_s=args.cost_calibration_s, prefix_caching=args.enable_prefix_caching,
-        prefix_cache_max_pages=args.prefix_cache_max_pages)
+        prefix_cache_max_pages=args.prefix_cache_max_pages,
+        prefix_state_checkpoints=args.prefix_state_checkpoints)
 
 
 async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:

@@ -44,6 +44,9 @@ class TargetConfig:
     # service's flag defaults to on, in-process users (benchmarks timing a prefill) to off
     prefix_caching: bool = False
     prefix_cache_max_pages: int = 0    # most unreferenced cached pages kept (0: all spare pages)
+    # hybrid models: recurrent states kept at page boundaries of cached prefixes
+    # (runtime/state_checkpoints.py); 0 = none, so their prefix caching is off
+    prefix_state_checkpoints: int = 16
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_block_size < 1 or self.token_budget < self.max_block_size:
@@ -58,9 +61,10 @@ class TargetConfig:
                              f"allowed {' | '.join(PLANE_CHOICES)}, at least 1 MiB")
         if self.feature_plane == "cuda-ipc" and not self.device.startswith("cuda"):
             raise ValueError("--feature-plane cuda-ipc needs --device cuda")
-        if self.prefix_cache_max_pages < 0:
-            raise ValueError(f"prefix_cache_max_pages must be >= 0 (0 = no cap), got "
-                             f"{self.prefix_cache_max_pages}")
+        if self.prefix_cache_max_pages < 0 or self.prefix_state_checkpoints < 0:
+            raise ValueError(f"prefix_cache_max_pages ({self.prefix_cache_max_pages}, 0 = no "
+                             f"cap) and prefix_state_checkpoints "
+                             f"({self.prefix_state_checkpoints}) must be >= 0")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu gemm {self.cpu_gemm!r} is not offered by this torch build; "
                              f"allowed: {sorted(CPU_GEMMS)}")

@@ -127,6 +127,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
                     acc.accepted, acc.tokens, _ref(f), part.item.seq.seq_len, lp,
                     len(plan.ids), forward_s, max(0.0, started - part.item.work.enqueued_at)))
         self._commit_mamba_states(parts, accepted)
+        self._checkpoint_states(parts, accepted)
         self.stats.record_forward(len(items), len(plan.ids), time.perf_counter() - t0)
 
     def _decide(self, plan: BatchPlan, logits: torch.Tensor | None) -> list[Decided]:
@@ -261,6 +262,28 @@ class TargetEngine(SequenceEngine[TargetSequence]):
                    for p, acc in zip(parts, accepted) if acc is not None]
         if commits and self.worker.facts.hybrid:
             self.worker.commit_mamba_state(commits)
+
+    def _checkpoint_states(self, parts: list[Part], accepted: list[Acceptance | None]) -> None:
+        """Hybrid prefix caching: the recurrent state at every page boundary a part's committed
+        rows reached (runtime/state_checkpoints.py) - a prompt chunk's end (the live state), a
+        verify's boundaries (the live state at its last committed row, the verify slot's states
+        before it). After the commit: the live state is at the committed length."""
+        checkpoints = self.worker.state_checkpoints
+        if checkpoints is None:
+            return
+        page = self.worker.kv_cache.page_size
+        for part, acc in zip(parts, accepted):
+            seq = part.item.seq
+            end = seq.seq_len
+            # a prompt chunk's states inside it are gone: only its end counts
+            start = end - (acc.accepted + 1) if acc is not None else end - 1
+            for boundary in range(start // page * page + page, end + 1, page):
+                key = seq.table.keys[boundary // page - 1]
+                if boundary == end:
+                    checkpoints.save_live(key, seq.state_slot)
+                else:
+                    checkpoints.save_verified(key, self.worker.state_pool.verify_slot(
+                        seq.state_slot), boundary - 1 - start)
 
     # -- SequenceEngine --------------------------------------------------------------------------
     def _free(self, seq: TargetSequence) -> None:

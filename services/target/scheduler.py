@@ -81,7 +81,7 @@ class TargetScheduler:
             return None
         if work.kind == "prefill":
             seq = self._prefill_sequence(work)
-            return Scheduled(work, min(n, len(work.payload.token_ids) - work.done_tokens), seq)
+            return Scheduled(work, self._prefill_tokens(work, n), seq)
         seq = self.seqs.get(work.seq_id)
         if seq is None:
             raise NotFound(f"unknown sequence {external(work.seq_id)!r}: never prefilled, released, or its "
@@ -116,9 +116,28 @@ class TargetScheduler:
         limit = len(call.token_ids) - 1
         if seq.capture_layers:
             limit = min(limit, call.features_from)
-        hit = kv.attach_prefix(seq.table, page_keys(call.token_ids[:limit], kv.page_size))
+        keys = page_keys(call.token_ids[:limit], kv.page_size)
+        checkpoints = self.worker.state_checkpoints
+        if checkpoints is not None:     # hybrid: only as deep as a recurrent state was kept
+            keys = keys[: checkpoints.deepest(keys[: len(kv.prefix_cache.match(keys))])]
+        hit = kv.attach_prefix(seq.table, keys)
+        if hit and checkpoints is not None:
+            checkpoints.restore(keys[hit // kv.page_size - 1], seq.state_slot)
         metrics.record_prefix_lookup(len(call.token_ids), hit)
         return hit
+
+    def _prefill_tokens(self, work: Work, n: int) -> int:
+        """The tokens of a prompt that run in this forward: at most what is left of it, and on
+        a hybrid model with state checkpoints, a chunk that would pass the prompt's last full
+        page boundary ends there (its recurrent state is kept: runtime/state_checkpoints.py)."""
+        total, start = len(work.payload.token_ids), work.done_tokens
+        n = min(n, total - start)
+        if self.worker.state_checkpoints is not None:
+            page = self.worker.kv_cache.page_size
+            boundary = (total - 1) // page * page
+            if start < boundary < start + n:
+                n = boundary - start
+        return n
 
     def _check_verify(self, seq: TargetSequence, call: VerifyCall, n: int) -> None:
         max_ctx = self.worker.facts.max_context

@@ -26,6 +26,7 @@ from runtime.layers.linear import calibrate_cpu_gemm, set_cpu_gemm
 from runtime.models.forward import ForwardBatch, ForwardOutput
 from runtime.models.registry import load_model
 from runtime.prefix_cache import PrefixCache
+from runtime.state_checkpoints import StateCheckpoints
 from runtime.tokenizer import tokenizer_fingerprint
 from services.common.errors import NotReady
 from services.target.config import TargetConfig
@@ -72,6 +73,7 @@ class TargetWorker:
         )
         self.kv_cache: PagedKVCache | None = None
         self.state_pool = None
+        self.state_checkpoints: StateCheckpoints | None = None   # hybrid prefix caching
         self._attn_backend: AttentionBackend | None = None
         self._need_mamba_verify_commit: bool | None = None
         self._graphs: dict[tuple[int, tuple[int, ...]], object] = {}
@@ -123,13 +125,17 @@ class TargetWorker:
             self.state_pool = self.model.make_state_pool(
                 self.config.state_slots, self.config.max_block_size, self.device,
                 num_verify_slots=None if verify_slots < 0 else verify_slots)
-            state_bytes = self.state_pool.nbytes
+            if self.config.prefix_caching and self.config.prefix_state_checkpoints:
+                self.state_checkpoints = StateCheckpoints(self.state_pool,
+                                                          self.config.prefix_state_checkpoints)
+            state_bytes = self.state_pool.nbytes + (
+                self.state_checkpoints.nbytes if self.state_checkpoints is not None else 0)
             if state_bytes >= self.config.kv_budget_bytes:
                 raise ValueError(
                     f"the recurrent state pool alone needs {state_bytes} bytes (state slots + "
                     f"verify slots x max block size), the memory budget is "
                     f"{self.config.kv_budget_bytes}: raise --kv-budget or lower --state-slots / "
-                    f"--verify-state-slots / --max-block-size")
+                    f"--verify-state-slots / --max-block-size / --prefix-state-checkpoints")
         per_page = PagedKVCache.bytes_per_page(self.num_attention_layers, cfg.num_kv_heads,
                                                cfg.head_dim, self.config.page_size, self.dtype)
         pages = max(0, self.config.kv_budget_bytes - state_bytes) // per_page
@@ -143,14 +149,14 @@ class TargetWorker:
             "state_bytes": state_bytes, "prefix_caching": self.prefix_caching})
 
     def _prefix_cache(self) -> PrefixCache | None:
-        """--enable-prefix-caching: None when off, and for hybrid models, whose recurrent
-        state at a page boundary is not kept: a cached prefix would give its KV but not its
-        state (every such prefix would have to miss)."""
+        """--enable-prefix-caching: None when off, and for hybrid models without state
+        checkpoints (a cached prefix would give its KV but not its recurrent state: every
+        prefix would have to miss)."""
         if not self.config.prefix_caching:
             return None
-        if self.facts.hybrid:
-            log.warning("prefix caching is off for this hybrid model: the recurrent state of a "
-                        "cached prefix is not kept, so every prefix would miss")
+        if self.facts.hybrid and self.state_checkpoints is None:
+            log.warning("prefix caching is off for this hybrid model: --prefix-state-checkpoints "
+                        "is 0, and a cached prefix needs the recurrent state at its end")
             return None
         return PrefixCache(self.config.prefix_cache_max_pages)
 

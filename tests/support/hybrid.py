@@ -11,6 +11,7 @@ from dflash.prepare.tiny_hybrid import make_tiny_hybrid
 from runtime.attention.metadata import SeqSlice
 from runtime.kv_cache import PageTable
 from services.target.worker import TargetWorker
+from support.target_client import TargetClient
 
 __all__ = ["HybridSeq", "forward_many", "hf_greedy", "hf_logits", "hf_model", "make_tiny_hybrid"]
 
@@ -83,3 +84,24 @@ def forward_many(worker: TargetWorker, parts: list[tuple[HybridSeq, list[int], b
         if not verify:
             seq.seq_len += len(tokens)
     return list(worker.logits(out.hidden).split([len(t) for _, t, _ in parts]))
+
+
+def speculate(client: TargetClient, seq: str, prompt: list[int], reference: list[int], n: int,
+              block: int = 6) -> tuple[list[int], int]:
+    """Greedy speculative decoding where the drafts are the reference continuation with one
+    token broken per block (so most blocks accept part of their drafts). Returns (output,
+    number of partial accepts)."""
+    out = [client.prefill(seq, prompt).next_token]
+    partial, step = 0, 0
+    while len(out) < n:
+        pos = len(out)
+        drafts = list(reference[pos: pos + block - 1])
+        if drafts:
+            k = step % len(drafts)
+            drafts[k] = (drafts[k] + 1) % 256
+        r = client.verify(seq, [out[-1]] + drafts)
+        partial += 0 < r.accepted < len(drafts)
+        out.extend(r.committed_tokens)
+        step += 1
+    client.release(seq)
+    return out[:n], partial
