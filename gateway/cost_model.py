@@ -1,7 +1,7 @@
 """What a speculative step costs, as the gateway's `--speculation auto` sees it
 (gateway/speculation_policy.py; docs/adaptive-speculation.md).
 
-    step = overhead + (propose if it drafts) + verify(rows of the whole batch)
+    step = overhead + (propose(appended) if it drafts) + verify(rows of the whole batch)
 
 - verify(T): the target's forward time for a batch of T rows (its tokens; on a GPU a batch of
   chains is padded to a captured block, TargetCapabilities.verify_padded_blocks, so chains of
@@ -13,8 +13,12 @@
   first run of it is replaced). Chains are read through the points' non-decreasing fit (pool
   adjacent violators: a bigger batch never costs less), interpolated linearly and extrapolated
   past the last point; trees as measured, and past their last point at chain rates.
-- propose: a Propose round trip as the gateway waits for it (the median of the last few, in
-  steady state: not one that appended a prompt's features).
+- propose(appended): a Propose round trip as the gateway waits for it, by the context rows it
+  appends (a robust line through the last few: Theil-Sen). A step that drafts every time
+  appends what the last one committed; one after a stretch without drafting appends the whole
+  backlog, and the first one the prompt: pricing every Propose at what one of those cost had
+  kept a CPU that rarely drafts from ever trying the steady state (chains of 2 beat not
+  drafting at one request on the EPYC, which auto never found).
 - overhead: the rest of a step that does not depend on its size - a Verify's round trip minus
   its wait in the target's queue and its forward (the wire, gRPC, scheduling).
 """
@@ -35,7 +39,7 @@ ALPHA = 0.1                             # weight of a new observation in each mo
 MAX_WEIGHT = 50.0                       # a point's weight in the fit stops growing here
 UNOBSERVED_WEIGHT = 0.1                 # warm-up points' weight once one proved wrong
 PLAUSIBLE = (0.2, 5.0)                  # serving / warm-up time ratios a curve's scale explains
-PROPOSE_WINDOW = 15                     # Propose round trips the estimate is the median of
+PROPOSE_WINDOW = 25                     # Propose round trips the line is fitted through
 
 
 @dataclass
@@ -150,8 +154,9 @@ class CostModel:
         the forward's rows, padding included."""
         self.chains, self.trees = VerifyCurve(curve), VerifyCurve(tree_curve, monotone=False)
         self.padded_blocks = tuple(sorted(padded_blocks))
-        self._proposes: deque[float] = deque(maxlen=PROPOSE_WINDOW)
-        self.propose_s = 0.0            # the median of _proposes (0 until a Propose was timed)
+        self._proposes: deque[tuple[int, float]] = deque(maxlen=PROPOSE_WINDOW)
+        self.propose_s = 0.0            # a Propose appending no rows (0 until one was timed) ...
+        self.propose_per_row_s = 0.0    # ... and each row it appends
         self.overhead_s = 0.0
 
     @property
@@ -185,10 +190,16 @@ class CostModel:
         pad = min((b for b in self.padded_blocks if b >= longest), default=0)
         return pad * len(tokens) if pad else sum(tokens)
 
-    def step_s(self, batch_tokens: int, drafts: bool, tree: bool = False) -> float:
+    def propose_cost(self, appended: float) -> float:
+        """A Propose that appends `appended` context rows."""
+        return self.propose_s + self.propose_per_row_s * appended
+
+    def step_s(self, batch_tokens: int, drafts: bool, tree: bool = False,
+               appended: float = 0.0) -> float:
         """One request's step: its verify in a batch of batch_tokens, plus a Propose if it
-        drafts, plus the overhead."""
-        return (self.overhead_s + (self.propose_s if drafts else 0.0)
+        drafts (appending `appended` rows: in steady state, what a step commits), plus the
+        overhead."""
+        return (self.overhead_s + (self.propose_cost(appended) if drafts else 0.0)
                 + self.verify_s(batch_tokens, tree))
 
     # -- learning ------------------------------------------------------------------------------
@@ -204,12 +215,12 @@ class CostModel:
             self.overhead_s = _average(self.overhead_s,
                                        max(0.0, wall_s - queue_s - batch_seconds))
 
-    def observe_propose(self, wall_s: float) -> None:
-        """A Propose round trip. The estimate is the median of the last few, not a moving
-        average: one slow Propose (a kernel's first run) must not make drafting look dear, as
-        then no Propose is timed again to correct it."""
-        self._proposes.append(wall_s)
-        self.propose_s = statistics.median(self._proposes)
+    def observe_propose(self, wall_s: float, appended: int = 0) -> None:
+        """A Propose round trip that appended `appended` context rows. A robust line through
+        the last few, not a moving average: one slow Propose (a kernel's first run) must not
+        make drafting look dear, as then no Propose is timed again to correct it."""
+        self._proposes.append((appended, wall_s))
+        self.propose_s, self.propose_per_row_s = robust_line(self._proposes)
 
     def export(self, model: str) -> None:
         """dflash_spec_cost_seconds: the model's parts now."""
@@ -234,6 +245,17 @@ def monotone_fit(points: list[tuple[int, float, float]]) -> list[tuple[int, floa
             blocks[-1][2] += n
     ys = [b[0] / b[1] for b in blocks for _ in range(int(b[2]))]
     return [(x, y) for (x, _, _), y in zip(points, ys)]
+
+
+def robust_line(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of a Theil-Sen line through (x, y) points: the median of the
+    pairwise slopes (not below 0), and the median intercept under it; with one x value, its
+    median y and slope 0. Outliers (a first run, a busy moment) move neither."""
+    points = list(points)
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points)
+              for x2, y2 in points[i + 1:] if x2 != x1]
+    slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    return max(0.0, statistics.median(y - slope * x for x, y in points)), slope
 
 
 def _extrapolate(fit: list[tuple[int, float]], tokens: int) -> float:

@@ -157,10 +157,7 @@ class Generation:
         event = self._deliver(committed, resp.accepted, list(resp.logprobs))
         self.telemetry.step(t1 - t0 if block > 1 else None, t2 - t1, n, resp.accepted)
         if policy is not None:
-            # a Propose that appended a prompt, or positions piled up while not drafting, is
-            # not what the next one costs
-            steady = block > 1 and self.draft.appended <= spec.max_block_size
-            self._learn(policy, shape, drafts, resp, t1 - t0 if steady else None, t2 - t1)
+            self._learn(policy, shape, drafts, resp, t1 - t0 if block > 1 else None, t2 - t1)
         return event
 
     def _shape(self, spec: Speculation, policy: SpeculationPolicy | None
@@ -193,8 +190,8 @@ class Generation:
             policy.observe(self.acceptance, shape, depth, resp.accepted)
         policy.cost.observe_verify(resp.batch_tokens, resp.batch_seconds, verify_s,
                                    resp.queue_seconds, tree=not drafts.is_chain)
-        if propose_s is not None and drafts.tokens:
-            policy.cost.observe_propose(propose_s)
+        if propose_s is not None and drafts.tokens:     # by the rows it appended
+            policy.cost.observe_propose(propose_s, self.draft.appended)
         policy.export(self.state.metrics_model)
 
     async def _constrained(self, drafts: DraftTree) -> tuple[DraftTree, list[bytes] | None]:

@@ -10,7 +10,7 @@ request r contributes its expected committed tokens E_r(s) (its own acceptance m
 to what r may run: its room, its remaining tokens) and its verify tokens T_r(s); the batch's
 shape maximises
 
-    sum_r E_r(s) / (overhead + propose * [s drafts] + verify(rows of the T_r(s)))
+    sum_r E_r(s) / (overhead + propose(E(s) / requests) * [s drafts] + verify(rows of the T_r(s)))
 
 (rows: the tokens, each chain padded to the target's captured block on a GPU)
 
@@ -63,6 +63,7 @@ class Option:
     shape: Shape
     expected: float                     # expected committed tokens of a step of this shape
     batch_tokens: int = 0               # its verify tokens (0: shape.tokens; a batch: the sum)
+    requests: int = 1                   # the requests it is for (a batch's: all)
 
     @property
     def tokens(self) -> int:
@@ -79,9 +80,15 @@ def choose(options: Iterable[Option], cost: CostModel) -> Option:
 def rank(options: Iterable[Option], cost: CostModel) -> list[Option]:
     """The options by committed tokens per second, best first (ties: the fewer tokens)."""
     def rate(o: Option) -> float:
-        seconds = cost.step_s(o.tokens, o.shape.drafts > 0, o.shape.tree)
+        seconds = step_s(o, cost)
         return o.expected / seconds if seconds > 0 else o.expected
     return sorted(sorted(options, key=lambda o: o.tokens), key=rate, reverse=True)
+
+
+def step_s(o: Option, cost: CostModel) -> float:
+    """An option's step: in steady state each request's Propose appends what its last step
+    committed - about what a step of this shape commits."""
+    return cost.step_s(o.tokens, o.shape.drafts > 0, o.shape.tree, o.expected / o.requests)
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,7 @@ class SpeculationPolicy:
                 "explore": best is not ranked[0],
                 "options": " ".join(
                     f"{o.shape.drafts}{'t' if o.shape.tree else ''}:{o.expected:.2f}/"
-                    f"{self.cost.step_s(o.tokens, o.shape.drafts > 0, o.shape.tree) * 1e3:.0f}ms"
+                    f"{step_s(o, self.cost) * 1e3:.0f}ms"
                     for o in options)})
         return best.shape
 
@@ -195,7 +202,7 @@ class SpeculationPolicy:
                        for m, o in zip(models, own))
         tokens = [o.tokens for o in own]
         rows = sum(tokens) if shape.tree else self.cost.chain_rows(tokens)
-        return Option(shape, expected, rows)
+        return Option(shape, expected, rows, len(models))
 
     def observe(self, acceptance: AcceptanceModel, shape: Shape, depth: int, accepted: int
                 ) -> None:
