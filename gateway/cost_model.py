@@ -18,7 +18,8 @@
   appends what the last one committed; one after a stretch without drafting appends the whole
   backlog, and the first one the prompt: pricing every Propose at what one of those cost had
   kept a CPU that rarely drafts from ever trying the steady state (chains of 2 beat not
-  drafting at one request on the EPYC, which auto never found).
+  drafting at one request on the EPYC, which auto never found). Tree Proposes have their own
+  line (they rank each position's likeliest tokens: dearer than a chain's).
 - overhead: the rest of a step that does not depend on its size - a Verify's round trip minus
   its wait in the target's queue and its forward (the wire, gRPC, scheduling).
 """
@@ -155,8 +156,10 @@ class CostModel:
         self.chains, self.trees = VerifyCurve(curve), VerifyCurve(tree_curve, monotone=False)
         self.padded_blocks = tuple(sorted(padded_blocks))
         self._proposes: deque[tuple[int, float]] = deque(maxlen=PROPOSE_WINDOW)
-        self.propose_s = 0.0            # a Propose appending no rows (0 until one was timed) ...
+        self.propose_s = 0.0            # a chain Propose appending no rows (0: none timed) ...
         self.propose_per_row_s = 0.0    # ... and each row it appends
+        self._tree_proposes: deque[tuple[int, float]] = deque(maxlen=PROPOSE_WINDOW)
+        self.tree_propose = (0.0, 0.0)  # the same for trees (intercept, per row)
         self.overhead_s = 0.0
 
     @property
@@ -190,16 +193,19 @@ class CostModel:
         pad = min((b for b in self.padded_blocks if b >= longest), default=0)
         return pad * len(tokens) if pad else sum(tokens)
 
-    def propose_cost(self, appended: float) -> float:
-        """A Propose that appends `appended` context rows."""
-        return self.propose_s + self.propose_per_row_s * appended
+    def propose_cost(self, appended: float, tree: bool = False) -> float:
+        """A Propose (of a tree: its own line once one was timed) that appends `appended`
+        context rows."""
+        base, per_row = (self.tree_propose if tree and self._tree_proposes
+                         else (self.propose_s, self.propose_per_row_s))
+        return base + per_row * appended
 
     def step_s(self, batch_tokens: int, drafts: bool, tree: bool = False,
                appended: float = 0.0) -> float:
         """One request's step: its verify in a batch of batch_tokens, plus a Propose if it
         drafts (appending `appended` rows: in steady state, what a step commits), plus the
         overhead."""
-        return (self.overhead_s + (self.propose_cost(appended) if drafts else 0.0)
+        return (self.overhead_s + (self.propose_cost(appended, tree) if drafts else 0.0)
                 + self.verify_s(batch_tokens, tree))
 
     # -- learning ------------------------------------------------------------------------------
@@ -215,12 +221,16 @@ class CostModel:
             self.overhead_s = _average(self.overhead_s,
                                        max(0.0, wall_s - queue_s - batch_seconds))
 
-    def observe_propose(self, wall_s: float, appended: int = 0) -> None:
+    def observe_propose(self, wall_s: float, appended: int = 0, tree: bool = False) -> None:
         """A Propose round trip that appended `appended` context rows. A robust line through
         the last few, not a moving average: one slow Propose (a kernel's first run) must not
         make drafting look dear, as then no Propose is timed again to correct it."""
-        self._proposes.append((appended, wall_s))
-        self.propose_s, self.propose_per_row_s = robust_line(self._proposes)
+        if tree:
+            self._tree_proposes.append((appended, wall_s))
+            self.tree_propose = robust_line(self._tree_proposes)
+        else:
+            self._proposes.append((appended, wall_s))
+            self.propose_s, self.propose_per_row_s = robust_line(self._proposes)
 
     def export(self, model: str) -> None:
         """dflash_spec_cost_seconds: the model's parts now."""

@@ -191,7 +191,8 @@ class Generation:
         policy.cost.observe_verify(resp.batch_tokens, resp.batch_seconds, verify_s,
                                    resp.queue_seconds, tree=not drafts.is_chain)
         if propose_s is not None and drafts.tokens:     # by the rows it appended
-            policy.cost.observe_propose(propose_s, self.draft.appended)
+            policy.cost.observe_propose(propose_s, self.draft.appended,
+                                        tree=not drafts.is_chain)
         policy.export(self.state.metrics_model)
 
     async def _constrained(self, drafts: DraftTree) -> tuple[DraftTree, list[bytes] | None]:

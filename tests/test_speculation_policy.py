@@ -383,3 +383,14 @@ def test_proposes_are_priced_by_the_rows_a_steady_step_appends():
     assert c.propose_cost(2) == pytest.approx(0.010, abs=1e-3)
     as_before = cost([(1, 0.026), (3, 0.028), (5, 0.030)], propose=0.040)   # the median
     assert choose(options, as_before).shape == NO_DRAFTING
+
+
+def test_tree_proposes_do_not_price_chains():
+    """The first steps draft trees under the optimistic prior; their Proposes (ranking each
+    position's likeliest tokens) must not make every chain Propose look as dear."""
+    c = cost([(1, 0.026), (8, 0.030)])
+    for _ in range(5):
+        c.observe_propose(0.040, 2, tree=True)
+    assert c.propose_cost(2) == 0.0 and c.propose_cost(2, tree=True) == pytest.approx(0.040)
+    c.observe_propose(0.012, 2)
+    assert c.propose_cost(2) == pytest.approx(0.012)
