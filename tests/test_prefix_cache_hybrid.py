@@ -105,3 +105,27 @@ def test_no_checkpoints_no_prefix_caching(hybrid_dir, tmp_path):
     finally:
         c.close()
         assert proc.stop() == 0
+
+
+def test_checkpoints_fit_in_a_quarter_of_the_budget_beside_the_state_pool(hybrid_dir):
+    """A budget sized for the state pool and its pages still starts: fewer checkpoints (none
+    when not even one fits: then no prefix caching for it), never a refusal."""
+    from runtime.state_pool import MambaStatePool
+    from services.target.config import TargetConfig
+    from services.target.worker import TargetWorker
+
+    def worker(budget: int) -> TargetWorker:
+        w = TargetWorker(TargetConfig(model_dir=str(hybrid_dir), page_size=4, max_block_size=8,
+                                      kv_budget_bytes=budget, state_slots=2,
+                                      prefix_caching=True))
+        w.alloc_memory_pools()
+        return w
+    pool = worker(16 << 20).state_pool
+    per_state = pool.nbytes // (pool.num_slots + pool.num_verify_slots * 8)
+    assert isinstance(pool, MambaStatePool)
+    roomy = worker(16 << 20)
+    assert roomy.state_checkpoints.capacity == 16 and roomy.prefix_caching
+    tight = worker(pool.nbytes + 12 * per_state)
+    assert tight.state_checkpoints.capacity == 3 and tight.prefix_caching
+    none = worker(pool.nbytes + 3 * per_state)
+    assert none.state_checkpoints is None and not none.prefix_caching

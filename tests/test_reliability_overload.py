@@ -110,8 +110,9 @@ def test_admission_queue_refuses_the_excess_at_once(model, logs):
         st.stop()
 
 
-# 3 state slots; 20 usable KV pages of 16 tokens (8 KiB each) after the state pool (3 x 188928 B)
-POOL_TARGET = ("--max-block-size", "8", "--state-slots", "3",
+# 3 state slots; 20 usable KV pages of 16 tokens (8 KiB each) after the state pool (3 x 188928 B);
+# no prefix-cache state checkpoints (they would take budget from the pages counted here)
+POOL_TARGET = ("--max-block-size", "8", "--state-slots", "3", "--prefix-state-checkpoints", "0",
                "--kv-budget", str(3 * 188928 + 21 * 8192))
 N = 150
 

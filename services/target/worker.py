@@ -125,9 +125,7 @@ class TargetWorker:
             self.state_pool = self.model.make_state_pool(
                 self.config.state_slots, self.config.max_block_size, self.device,
                 num_verify_slots=None if verify_slots < 0 else verify_slots)
-            if self.config.prefix_caching and self.config.prefix_state_checkpoints:
-                self.state_checkpoints = StateCheckpoints(self.state_pool,
-                                                          self.config.prefix_state_checkpoints)
+            self.state_checkpoints = self._state_checkpoints()
             state_bytes = self.state_pool.nbytes + (
                 self.state_checkpoints.nbytes if self.state_checkpoints is not None else 0)
             if state_bytes >= self.config.kv_budget_bytes:
@@ -135,7 +133,7 @@ class TargetWorker:
                     f"the recurrent state pool alone needs {state_bytes} bytes (state slots + "
                     f"verify slots x max block size), the memory budget is "
                     f"{self.config.kv_budget_bytes}: raise --kv-budget or lower --state-slots / "
-                    f"--verify-state-slots / --max-block-size / --prefix-state-checkpoints")
+                    f"--verify-state-slots / --max-block-size")
         per_page = PagedKVCache.bytes_per_page(self.num_attention_layers, cfg.num_kv_heads,
                                                cfg.head_dim, self.config.page_size, self.dtype)
         pages = max(0, self.config.kv_budget_bytes - state_bytes) // per_page
@@ -148,6 +146,21 @@ class TargetWorker:
             "kv_tokens": self.kv_cache.usable_pages * self.config.page_size,
             "state_bytes": state_bytes, "prefix_caching": self.prefix_caching})
 
+    def _state_checkpoints(self) -> StateCheckpoints | None:
+        """Hybrid prefix caching: --prefix-state-checkpoints, at most as many as a quarter of
+        the budget left beside the state pool holds (the rest is for KV pages: a budget sized
+        for the pool and its pages keeps them), none when prefix caching is off."""
+        wanted = self.config.prefix_state_checkpoints if self.config.prefix_caching else 0
+        pool = self.state_pool
+        per_state = (pool.conv[:, 0].numel() * pool.conv.element_size()
+                     + pool.ssm[:, 0].numel() * pool.ssm.element_size())
+        fits = max(0, self.config.kv_budget_bytes - pool.nbytes) // 4 // per_state
+        if wanted > fits:
+            log.warning("fewer recurrent-state checkpoints than --prefix-state-checkpoints: a "
+                        "quarter of the memory budget left beside the state pool holds %d", fits)
+        n = min(wanted, fits)
+        return StateCheckpoints(pool, n) if n else None
+
     def _prefix_cache(self) -> PrefixCache | None:
         """--enable-prefix-caching: None when off, and for hybrid models without state
         checkpoints (a cached prefix would give its KV but not its recurrent state: every
@@ -155,8 +168,9 @@ class TargetWorker:
         if not self.config.prefix_caching:
             return None
         if self.facts.hybrid and self.state_checkpoints is None:
-            log.warning("prefix caching is off for this hybrid model: --prefix-state-checkpoints "
-                        "is 0, and a cached prefix needs the recurrent state at its end")
+            log.warning("prefix caching is off for this hybrid model: it keeps no recurrent-state "
+                        "checkpoints (--prefix-state-checkpoints 0, or no room in the memory "
+                        "budget), and a cached prefix needs the state at its end")
             return None
         return PrefixCache(self.config.prefix_cache_max_pages)
 
