@@ -117,7 +117,8 @@ class DraftLink:
         if (not self.keeps_context or spec.draft is None or not spec.draft.prefix_caching
                 or not self.capture_layers):
             return 0
-        try:
+        self.touched = True             # before the call: a request cancelled while it is in
+        try:                            # flight still Releases what the draft opened
             resp = await self.gw.draft.call(
                 "OpenSequence", draft_pb2.OpenSequenceRequest(sequence_id=self.seq_id,
                                                               token_ids=prompt),
@@ -126,7 +127,6 @@ class DraftLink:
             log.debug("draft OpenSequence failed (%s); its context starts at 0", e.code.name,
                       extra=self.ids)
             return 0
-        self.touched = True
         self.feed = DraftFeed(resp.cached_tokens)
         return resp.cached_tokens
 
