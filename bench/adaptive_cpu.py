@@ -357,16 +357,23 @@ def main(argv: list[str] | None = None) -> None:
 
 def smollm2_stack(args: argparse.Namespace, dtype: str) -> tuple[list[list[int]], dict]:
     """SmolLM2 as `dflash up` runs it (the shipped drafter): chat prompts, the stack's options."""
-    from dflash.prepare.smollm2 import prepare_smollm2
     from runtime.tokenizer import ChatTokenizer
-    model_dir = prepare_smollm2([dtype], progress=False)[dtype]
+    model_dir, options = smollm2_options(args.device, dtype)
     tok = ChatTokenizer(model_dir)
-    options = {} if args.device == "cpu" else {
-        "device": args.device, "dtype": dtype, "attention_backend": "triton",
-        "model_dir": str(model_dir), "ready_timeout_s": 900}
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))
                for t in CHATS + COPY_TASKS]
     return prompts, options
+
+
+def smollm2_options(device: str, dtype: str) -> tuple[Path, dict]:
+    """SmolLM2 prepared in `dtype`, and the stack options that serve it on `device` (on a GPU:
+    that checkpoint, triton, a longer start-up for the graphs; on the CPU `dflash up`'s own)."""
+    from dflash.prepare.smollm2 import prepare_smollm2
+    model_dir = prepare_smollm2([dtype], progress=False)[dtype]
+    options = {} if device == "cpu" else {
+        "device": device, "dtype": dtype, "attention_backend": "triton",
+        "model_dir": str(model_dir), "ready_timeout_s": 900}
+    return model_dir, options
 
 
 def shaped_stack(args: argparse.Namespace, dtype: str, root: Path

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.adaptive_cpu import smollm2_options
 from bench.gateway_cpu import Services, total
 from bench.report import add_output_flags, machine, render_only, save
 from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
@@ -128,9 +129,8 @@ def measure(args: argparse.Namespace, tok: ChatTokenizer, system: str, cached: b
         shared = asyncio.run(shared_system(address, tok, system, args.questions,
                                            args.max_tokens))
         after = svc.snapshot()
-    for part, (a, b) in (("multi_turn", (before, mid)), ("shared_system", (mid, after))):
-        run = chat if part == "multi_turn" else shared
-        run["hit_rate"] = {s: hit_rate(a, b, s) for s in ("target", "draft")}
+    chat["hit_rate"] = {s: hit_rate(before, mid, s) for s in ("target", "draft")}
+    shared["hit_rate"] = {s: hit_rate(mid, after, s) for s in ("target", "draft")}
     return {"multi_turn": chat, "shared_system": shared}
 
 
@@ -207,15 +207,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:
         args.conversations, args.turns, args.max_tokens = 2, 2, 4
         args.questions, args.system_tokens = 2, 100
-    from dflash.prepare.smollm2 import prepare_smollm2
     dtype = "float32" if args.device == "cpu" else "bfloat16"
-    model = prepare_smollm2([dtype], progress=False)[dtype]
+    model, options = smollm2_options(args.device, dtype)
     tok = ChatTokenizer(model)
     line_tokens = len(tok.encode(SYSTEM_LINE))
     system = SYSTEM_LINE * max(1, args.system_tokens // line_tokens)
-    options = {} if args.device == "cpu" else {
-        "device": args.device, "dtype": dtype, "attention_backend": "triton",
-        "model_dir": str(model), "ready_timeout_s": 900}
     result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
                     "command": "python -m bench.prefix_cache " + " ".join(argv or sys.argv[1:]),
                     "device": args.device, "dtype": dtype, "conversations": args.conversations,
@@ -232,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
             print(name, {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
                          for k, v in result[name].items()}, flush=True)
     result["summary"] = summary(result["on"], result["off"])
+    for name in ("on", "off"):              # compared in the summary; not kept (thousands of ids)
+        for part in result[name].values():
+            part.pop("outputs")
     save(result, Path(args.out), Path(args.doc), section_for(args.device), markdown)
     print(markdown(result))
 

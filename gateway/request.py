@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from dflash.v1 import common_pb2
 from gateway.grammar import GrammarSpec
-from runtime.prefix_cache import page_keys
+from runtime.prefix_cache import prompt_keys
 from runtime.sampling_limits import (
     GREEDY_BELOW,
     MAX_PENALTY,
@@ -71,11 +71,11 @@ class GenerationRequest:
         return self.temperature < GREEDY_BELOW
 
     def prefix_keys(self, page_size: int) -> list[bytes]:
-        """The prefix-cache keys of the prompt's full pages (runtime/prefix_cache.py), as a
-        target or draft with pages of `page_size` files them: the hook for placing a request on
+        """The prefix-cache keys a target or draft with pages of `page_size` looks the prompt
+        up by (runtime/prefix_cache.py): the hook for placing a request on
         the replica that holds its longest prefix, once the gateway has several (the scale-out
         issue); one replica today."""
-        return page_keys(list(self.prompt_ids), page_size)
+        return prompt_keys(list(self.prompt_ids), page_size)
 
     def sampling_pb(self, seed_offset: int = 0) -> common_pb2.SamplingParams:
         """seed_offset > 0 on a rebuild, so a sampled stream does not replay its random draws."""

@@ -59,6 +59,11 @@ class PagedKVCache:
         return len(self._free) + self.idle_pages
 
     @property
+    def cached_pages(self) -> int:
+        """Pages the prefix cache holds, referenced or not (0 without one)."""
+        return len(self.prefix_cache) if self.prefix_cache is not None else 0
+
+    @property
     def idle_pages(self) -> int:
         """Cached pages no sequence references (reusable; evicted when taken)."""
         return self.prefix_cache.idle_pages if self.prefix_cache is not None else 0

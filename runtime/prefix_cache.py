@@ -32,6 +32,13 @@ def page_keys(tokens: list[int], page_size: int, start: int = 0,
     return keys
 
 
+def prompt_keys(token_ids: list[int], page_size: int, limit: int | None = None) -> list[bytes]:
+    """The keys a new sequence looks its prompt up by: its full pages short of its last token
+    (whose forward gives the first output, and its features), and below `limit` when given."""
+    end = len(token_ids) - 1 if limit is None else min(len(token_ids) - 1, limit)
+    return page_keys(token_ids[:end], page_size)
+
+
 class PrefixCache:
     """The index of cached pages. PagedKVCache asks it which pages a prompt can reuse, tells
     it when a cached page loses its last reference (it becomes evictable) or gains one again,
@@ -65,13 +72,11 @@ class PrefixCache:
             pages.append(page)
         return pages
 
-    def insert(self, key: bytes, page: int) -> bool:
-        """Caches a full, referenced page under `key`. False when that key is cached already
+    def insert(self, key: bytes, page: int) -> None:
+        """Caches a full, referenced page under `key`; nothing when that key is cached already
         (another sequence computed the same prefix: this page stays private) or the page is."""
-        if key in self._page or page in self._key:
-            return False
-        self._page[key], self._key[page] = page, key
-        return True
+        if key not in self._page and page not in self._key:
+            self._page[key], self._key[page] = page, key
 
     def used(self, page: int) -> None:
         """A cached page gained a reference: it is not evictable."""

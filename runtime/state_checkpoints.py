@@ -38,12 +38,6 @@ class StateCheckpoints:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm))
 
-    def __len__(self) -> int:
-        return len(self._slot)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._slot
-
     def deepest(self, keys: list[bytes]) -> int:
         """How many of `keys` (a prefix's page keys, in order) reach the deepest one that has a
         checkpoint (0: none has)."""

@@ -54,6 +54,12 @@ class MambaStatePool:
         return (conv + ssm) * (num_slots + num_verify_slots * verify_positions(max_block_size))
 
     @property
+    def bytes_per_state(self) -> int:
+        """One sequence's live state (conv window and SSM state of every layer)."""
+        return self.bytes_needed(self.cfg, self.num_layers, 1, 0, self.max_block_size,
+                                 self.conv.dtype)
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for t in (self.conv, self.ssm, self.verify_conv, self.verify_ssm))

@@ -38,7 +38,7 @@ def logs(tmp_path_factory):
 class Stack:
     """A target, the shipped drafter and gateways (by name) on them; metrics ports."""
 
-    def __init__(self, model: Path, logs: Path, *flags: str, gateways: dict[str, tuple] | None = None):
+    def __init__(self, model: Path, logs: Path, *flags: str, gateways: dict[str, tuple]):
         self.target_metrics, self.draft_metrics = free_port(), free_port()
         self.target = start_target(model, logs, *flags, "--metrics-port",
                                    str(self.target_metrics))
@@ -46,7 +46,7 @@ class Stack:
                                  model_dir=SHIPPED)
         self.gateways = {name: start_gateway(self.target.address, model, logs, *extra,
                                              draft=self.draft.address)
-                         for name, extra in (gateways or {"chain": ()}).items()}
+                         for name, extra in gateways.items()}
 
     def hits(self, service: str) -> float:
         port = self.target_metrics if service == "target" else self.draft_metrics
@@ -57,30 +57,31 @@ class Stack:
             p.stop()
 
 
-@pytest.fixture(scope="module")
-def on(smollm2_dir, logs):
-    s = Stack(smollm2_dir, logs, "--page-size", "8",
-              gateways={"chain": ("--block-size", "8"), "tree": ("--spec-tree-nodes", "15"),
-                        "auto": ()})
+CHAIN = {"chain": ("--block-size", "8")}
+
+
+def running(model: Path, logs: Path, *flags: str, gateways: dict[str, tuple] = CHAIN):
+    """A module fixture's stack (pages of 8 tokens on both services), stopped after."""
+    s = Stack(model, logs, "--page-size", "8", *flags, gateways=gateways)
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def on(smollm2_dir, logs):
+    yield from running(smollm2_dir, logs, gateways={
+        **CHAIN, "tree": ("--spec-tree-nodes", "15"), "auto": ()})
 
 
 @pytest.fixture(scope="module")
 def off(smollm2_dir, logs):
-    s = Stack(smollm2_dir, logs, "--page-size", "8", "--enable-prefix-caching", "off",
-              gateways={"chain": ("--block-size", "8")})
-    yield s
-    s.stop()
+    yield from running(smollm2_dir, logs, "--enable-prefix-caching", "off")
 
 
 @pytest.fixture(scope="module")
 def evicting(smollm2_dir, logs):
     """Caps of 3 unreferenced pages on both services: every conversation evicts the last."""
-    s = Stack(smollm2_dir, logs, "--page-size", "8", "--prefix-cache-max-pages", "3",
-              gateways={"chain": ("--block-size", "8")})
-    yield s
-    s.stop()
+    yield from running(smollm2_dir, logs, "--prefix-cache-max-pages", "3")
 
 
 @pytest.fixture(scope="module")

@@ -121,8 +121,9 @@ def test_checkpoints_fit_in_a_quarter_of_the_budget_beside_the_state_pool(hybrid
         w.alloc_memory_pools()
         return w
     pool = worker(16 << 20).state_pool
-    per_state = pool.nbytes // (pool.num_slots + pool.num_verify_slots * 8)
     assert isinstance(pool, MambaStatePool)
+    per_state = pool.bytes_per_state
+    assert pool.nbytes == per_state * (pool.num_slots + pool.num_verify_slots * 8)
     roomy = worker(16 << 20)
     assert roomy.state_checkpoints.capacity == 16 and roomy.prefix_caching
     tight = worker(pool.nbytes + 12 * per_state)

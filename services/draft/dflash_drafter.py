@@ -34,7 +34,7 @@ from runtime.models.dflash import (
     target_layer_ids_problem,
 )
 from runtime.models.forward import ForwardBatch, ForwardOutput
-from runtime.prefix_cache import PrefixCache, page_keys
+from runtime.prefix_cache import PrefixCache, prompt_keys
 from services.common.feature_plane import join_rows
 from services.draft.config import AUTO_DTYPE, DraftConfig
 from services.draft.drafter import Drafter, DrafterFacts, DrafterRefused, ProposeItem
@@ -167,14 +167,12 @@ class DFlashDrafter(Drafter):
         first output, and its features)."""
         if not self.prefix_caching:
             return 0
-        limit = len(token_ids) - 1
-        hit = self.cache.attach_prefix(seq.table, page_keys(token_ids[:limit],
-                                                            self.cache.page_size))
+        hit = self.cache.attach_prefix(seq.table, prompt_keys(token_ids, self.cache.page_size))
         seq.tokens = list(token_ids[:hit])
         return hit
 
     def prefix_cached_pages(self) -> int:
-        return len(self.cache.prefix_cache) if self.prefix_caching else 0
+        return self.cache.cached_pages if self.cache is not None else 0
 
     def _cache_context(self, items: list[ProposeItem]) -> None:
         """The items' new context is committed: its full pages enter the prefix cache, keyed

@@ -296,8 +296,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         return self.worker.kv_cache.usage()
 
     def prefix_cached_pages(self) -> int:
-        cache = self.worker.kv_cache.prefix_cache
-        return len(cache) if cache is not None else 0
+        return self.worker.kv_cache.cached_pages
 
     def _publish_more(self) -> None:
         """Also the stream planes' events: before every answer (a ref's rows are on their way

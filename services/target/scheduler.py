@@ -18,7 +18,7 @@ import torch
 
 from runtime.kv_cache import OutOfPages
 from runtime.penalties import PenaltyState
-from runtime.prefix_cache import page_keys
+from runtime.prefix_cache import prompt_keys
 from runtime.state_pool import OutOfStateSlots
 from services.common import metrics
 from services.common.callers import external
@@ -113,10 +113,8 @@ class TargetScheduler:
         kv = self.worker.kv_cache
         if kv.prefix_cache is None:
             return 0
-        limit = len(call.token_ids) - 1
-        if seq.capture_layers:
-            limit = min(limit, call.features_from)
-        keys = page_keys(call.token_ids[:limit], kv.page_size)
+        keys = prompt_keys(call.token_ids, kv.page_size,
+                           call.features_from if seq.capture_layers else None)
         checkpoints = self.worker.state_checkpoints
         if checkpoints is not None:     # hybrid: only as deep as a recurrent state was kept
             keys = keys[: checkpoints.deepest(keys[: len(kv.prefix_cache.match(keys))])]

@@ -152,9 +152,7 @@ class TargetWorker:
         for the pool and its pages keeps them), none when prefix caching is off."""
         wanted = self.config.prefix_state_checkpoints if self.config.prefix_caching else 0
         pool = self.state_pool
-        per_state = (pool.conv[:, 0].numel() * pool.conv.element_size()
-                     + pool.ssm[:, 0].numel() * pool.ssm.element_size())
-        fits = max(0, self.config.kv_budget_bytes - pool.nbytes) // 4 // per_state
+        fits = max(0, self.config.kv_budget_bytes - pool.nbytes) // 4 // pool.bytes_per_state
         if wanted > fits:
             log.warning("fewer recurrent-state checkpoints than --prefix-state-checkpoints: a "
                         "quarter of the memory budget left beside the state pool holds %d", fits)
