@@ -5,7 +5,7 @@
 
 HOOKS: --warmup-delay S, --random-weights (both); target only: --force-tau T,
 --force-profile P1,P2,.. (conditional acceptance by draft position), --hybrid-wrapper,
---no-mamba-commit, --skip-mamba-commit. (TargetHooks.nan_logits_for is for in-process tests.) The services themselves read no such flag or
+--no-mamba-commit, --skip-mamba-commit, --backend-delay S. (TargetHooks.nan_logits_for is for in-process tests.) The services themselves read no such flag or
 environment variable: a deployment cannot switch them on. Every hook in use is logged loudly."""
 from __future__ import annotations
 
@@ -79,6 +79,7 @@ class HookFlags:
     no_mamba_commit: bool = False
     skip_mamba_commit: bool = False
     fail_cost_calibration: bool = False
+    backend_delay_s: float = 0.0
 
     def argv(self) -> list[str]:
         """The flags that differ from the defaults, for `python -m dflash.harness ROLE`."""
@@ -102,7 +103,7 @@ class HookFlags:
             hybrid_wrapper=self.hybrid_wrapper, mamba_commit=not self.no_mamba_commit,
             skip_mamba_commit=self.skip_mamba_commit,
             fail_cost_calibration=self.fail_cost_calibration,
-            forced_acceptance=self._forced())
+            backend_delay_s=self.backend_delay_s, forced_acceptance=self._forced())
 
     def _forced(self) -> ForcedAcceptance | ForcedProfile | None:
         if self.force_tau and self.force_profile:
@@ -112,8 +113,8 @@ class HookFlags:
         return ForcedAcceptance(self.force_tau) if self.force_tau else None
 
     def draft_hooks(self) -> ServiceHooks:
-        target_only = ("force_tau", "force_profile", "hybrid_wrapper", "no_mamba_commit", "skip_mamba_commit",
-                       "fail_cost_calibration")
+        target_only = ("force_tau", "force_profile", "hybrid_wrapper", "no_mamba_commit",
+                       "skip_mamba_commit", "fail_cost_calibration", "backend_delay_s")
         used = [k for k in target_only if getattr(self, k) != getattr(HookFlags(), k)]
         if used:
             raise ValueError(f"target-only hooks given to a draft: {sorted(used)}")
@@ -131,6 +132,7 @@ FLAG_HELP = {
     "no_mamba_commit": "target: a hybrid backend that cannot commit recurrent state",
     "skip_mamba_commit": "target: advertise the mamba commit and skip it (WRONG output)",
     "fail_cost_calibration": "target: the verify cost calibration fails (start-up goes on)",
+    "backend_delay_s": "target: extra seconds while the attention backend is built",
 }
 
 

@@ -63,14 +63,15 @@ def make_random_drafter(target_dir: str | Path, out_dir: str | Path, *, num_laye
 def draft_config(target: dict[str, Any], fp: TargetFingerprint, num_layers: int, block_size: int,
                  ids: list[int], mask: int, dtype: str) -> dict[str, Any]:
     heads = int(target["num_attention_heads"])
+    kv_heads, head_dim = _attention_shape(target, fp, heads)
     cfg = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": fp.hidden_size,
         "num_hidden_layers": num_layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(target.get("num_key_value_heads") or heads),
-        "head_dim": int(target.get("head_dim") or fp.hidden_size // heads),
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
         "intermediate_size": int(target["intermediate_size"]),
         "rms_norm_eps": float(target.get("rms_norm_eps", 1e-6)),
         "hidden_act": "silu",
@@ -86,6 +87,17 @@ def draft_config(target: dict[str, Any], fp: TargetFingerprint, num_layers: int,
     }
     cfg.update({k: target[k] for k in ROPE_KEYS if target.get(k) is not None})
     return cfg
+
+
+def _attention_shape(target: dict[str, Any], fp: TargetFingerprint, heads: int
+                     ) -> tuple[int, int]:
+    """(kv heads, head_dim) of the drafter's ordinary attention layers. An MLA target
+    (DeepSeek-V2/V3, Kimi-K2: kv_lora_rank in its config) has no per-head K/V of its own: the
+    drafter takes one KV head per query head of the target's value width (v_head_dim)."""
+    if target.get("kv_lora_rank"):
+        return heads, int(target["v_head_dim"])
+    return (int(target.get("num_key_value_heads") or heads),
+            int(target.get("head_dim") or fp.hidden_size // heads))
 
 
 def default_mask_token_id(target_dir: str | Path) -> int:

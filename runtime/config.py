@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ class RopeConfig:
     beta_fast: float = 32.0              # yarn
     beta_slow: float = 1.0               # yarn
     mscale: float = 1.0                  # yarn: attention factor (computed when 0)
+    mscale_all_dim: float = 0.0          # yarn (DeepSeek): also scales the softmax (mla.py)
     partial_rotary_factor: float = 1.0
 
     @staticmethod
@@ -64,9 +66,25 @@ class RopeConfig:
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             beta_fast=float(params.get("beta_fast", 32.0)),
             beta_slow=float(params.get("beta_slow", 1.0)),
-            mscale=float(params.get("attention_factor") or 0.0),
+            mscale=float(params.get("attention_factor") or _deepseek_attention_factor(params)),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor", 1.0)),
         )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when not scaling up)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _deepseek_attention_factor(params: dict[str, Any]) -> float:
+    """transformers' YaRN attention factor when a config gives mscale and mscale_all_dim
+    (DeepSeek) and no attention_factor; 0 = the default formula (runtime/layers/rope.py)."""
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if not (mscale and all_dim):
+        return 0.0
+    factor = float(params.get("factor", 1.0))
+    return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(all_dim))
 
 
 @dataclass(frozen=True)

@@ -25,29 +25,118 @@ class PageTable:
     keys: list[bytes] = field(default_factory=list)   # prefix keys of its first full pages
 
 
+FP8_E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a model stores per token and attention layer, and how attention reads it.
+    Dense: K and V of head_dim per KV head. MLA (DeepSeek-V2/V3): one latent "head" of
+    head_dim = kv_lora_rank + qk_rope_head_dim in K and no V; the values are the latent's first
+    latent_value_dim (= kv_lora_rank) dims, and attention runs in the weight-absorbed form
+    (queries of head_dim, outputs of latent_value_dim per head)."""
+    num_layers: int
+    num_heads: int               # query heads
+    num_kv_heads: int
+    head_dim: int                # stored key width per KV head (= query width per head)
+    scale: float                 # softmax scale
+    latent_value_dim: int = 0    # MLA: values are keys[..., :latent_value_dim]; 0 = own V
+
+    @property
+    def value_dim(self) -> int:
+        """Attention output width per head."""
+        return self.latent_value_dim or self.head_dim
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """fp8 caches: per-layer scales of keys and values (stored = x / scale)."""
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+
+    @staticmethod
+    def ones(num_layers: int) -> KVScales:
+        return KVScales((1.0,) * num_layers, (1.0,) * num_layers)
+
+
 class PagedKVCache:
     """K and V for every layer, as flat slot arrays: k[layer] is [num_pages * page_size, nkv, hd].
-    Page 0 is reserved as a scratch page (padding writes land there), so usable pages are 1..N-1."""
+    Page 0 is reserved as a scratch page (padding writes land there), so usable pages are 1..N-1.
+
+    latent_value_dim > 0 (MLA): no V is stored; values() is a view of the keys' first dims.
+    dtype torch.float8_e4m3fn: entries are stored as x / scale (clamped to the format's range) and
+    read back as entry * scale (`write`, `dequant`): per-tensor scales per layer (KVScales), from
+    the checkpoint's k_scale / v_scale where it has them, else 1.0 (as vLLM and SGLang do)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                  num_pages: int, dtype: torch.dtype, device: torch.device | str,
-                 prefix_cache: PrefixCache | None = None) -> None:
-        """prefix_cache: None = no prefix caching (every page is private to one sequence)."""
+                 prefix_cache: PrefixCache | None = None, *, latent_value_dim: int = 0,
+                 scales: KVScales | None = None) -> None:
+        """prefix_cache: None = no prefix caching (every page is private to one sequence).
+        scales: fp8 only (default 1.0 for every layer)."""
         if num_pages < 2:
             raise ValueError(f"the KV budget gives {num_pages} pages; at least 2 are needed")
         self.page_size = page_size
         self.num_pages = num_pages
+        self.latent_value_dim = latent_value_dim
+        self.fp8 = dtype == torch.float8_e4m3fn
+        self.scales = scales or KVScales.ones(num_layers)
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape[:-1] + ((0 if latent_value_dim else head_dim),),
+                             dtype=dtype, device=device)
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
         self._refs = [0] * num_pages    # sequences holding each page
         self.prefix_cache = prefix_cache
 
     @staticmethod
     def bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
-                       dtype: torch.dtype) -> int:
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+                       dtype: torch.dtype, latent: bool = False) -> int:
+        """latent (MLA): keys only."""
+        return (1 if latent else 2) * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @classmethod
+    def for_layout(cls, layout: KVLayout, page_size: int, num_pages: int, dtype: torch.dtype,
+                   device: torch.device | str, prefix_cache: PrefixCache | None = None,
+                   scales: KVScales | None = None) -> PagedKVCache:
+        return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim, page_size, num_pages,
+                   dtype, device, prefix_cache, latent_value_dim=layout.latent_value_dim,
+                   scales=scales)
+
+    @staticmethod
+    def layout_bytes_per_page(layout: KVLayout, page_size: int, dtype: torch.dtype) -> int:
+        return PagedKVCache.bytes_per_page(layout.num_layers, layout.num_kv_heads,
+                                           layout.head_dim, page_size, dtype,
+                                           latent=bool(layout.latent_value_dim))
+
+    # -- contents ------------------------------------------------------------------------------
+    def values(self, layer: int) -> torch.Tensor:
+        """The layer's values [slots, nkv, value_dim]: V, or a view of the latent keys (MLA)."""
+        if self.latent_value_dim:
+            return self.k[layer][..., : self.latent_value_dim]
+        return self.v[layer]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [T, nkv, dim] -> slots [T] of the layer (v ignored when the cache is latent)."""
+        _index_copy(self.k[layer], slots, self._quantize(k, self.scales.k[layer]))
+        if not self.latent_value_dim:
+            _index_copy(self.v[layer], slots, self._quantize(v, self.scales.v[layer]))
+
+    def dequant(self, layer: int, entries: torch.Tensor, dtype: torch.dtype, values: bool = False
+                ) -> torch.Tensor:
+        """Gathered keys (or values) of a layer -> dtype, times their scale when stored as fp8
+        (a latent cache's values are its keys: the key scale)."""
+        out = entries.to(dtype)
+        if not self.fp8:
+            return out
+        scale = (self.scales.v if values and not self.latent_value_dim else self.scales.k)[layer]
+        return out * scale if scale != 1.0 else out
+
+    def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        if not self.fp8:
+            return x.to(self.k.dtype)
+        x = x.float() / scale if scale != 1.0 else x.float()
+        return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(self.k.dtype)
 
     @property
     def usable_pages(self) -> int:
@@ -161,10 +250,20 @@ class PagedKVCache:
         path moved into place). All sources are read before any destination is written."""
         s = torch.tensor(self.slots_of(table, src), device=self.k.device)
         d = torch.tensor(self.slots_of(table, dst), device=self.k.device)
-        self.k[:, d] = self.k[:, s]
-        self.v[:, d] = self.v[:, s]
+        for pool in (self.k, self.v):
+            raw = _raw(pool)
+            raw[:, d] = raw[:, s]
 
     def slots_of(self, table: PageTable, positions) -> list[int]:
         """Flat slot ids of the given positions (pages must already exist)."""
         ps = self.page_size
         return [table.pages[p // ps] * ps + p % ps for p in positions]
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 pools are copied as bytes (CPU index kernels have no float8 variant)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _index_copy(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    _raw(pool).index_copy_(0, slots, _raw(x))

@@ -42,6 +42,34 @@ def read_tensors(path: str | Path, names: set[str]) -> dict[str, torch.Tensor]:
     return dict(iter_tensors(path, names))
 
 
+KV_SCALE_SUFFIXES = {".self_attn.k_scale": "k", ".self_attn.v_scale": "v",
+                     ".self_attn.kv_scale": "k"}   # fp8 KV cache scales (vLLM's names)
+
+
+def tensor_names(path: str | Path) -> list[str]:
+    """Tensor names of a checkpoint directory (headers only, no tensor is read)."""
+    names: list[str] = []
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
+def read_kv_scales(path: str | Path) -> dict[tuple[int, str], float]:
+    """(layer id, "k" | "v") -> the checkpoint's fp8 KV scale (model.layers.N.self_attn.k_scale,
+    v_scale, or kv_scale for both); empty when it has none."""
+    wanted = {n: (int(n.split(".")[2]), kind) for n in tensor_names(path)
+              for suffix, kind in KV_SCALE_SUFFIXES.items()
+              if n.endswith(suffix) and n.startswith("model.layers.")}
+    found = {}
+    for name, tensor in iter_tensors(path, set(wanted)):
+        layer, kind = wanted[name]
+        found[(layer, kind)] = float(tensor.float().max())
+        if name.endswith(".kv_scale"):
+            found.setdefault((layer, "v"), found[(layer, kind)])
+    return found
+
+
 def _split_sizes(module: nn.Module, fused: str) -> list[int]:
     if fused == "qkv_proj":
         return [module.q_size, module.kv_size, module.kv_size]
@@ -92,8 +120,8 @@ def _copy_one(model: nn.Module, params: dict[str, nn.Parameter], filled: dict[st
             fused, shard = PACKED[piece]
             owner = model.get_submodule(".".join(parts[:i]))
             pname = ".".join(parts[:i] + [fused] + parts[i + 1:])
-            if pname not in params:
-                raise ValueError(f"unexpected checkpoint tensor {source}")
+            if pname not in params:      # not fused in this model (MLA's q_proj): as named
+                break
             sizes = _split_sizes(owner, fused)
             param = params[pname]
             dst = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])

@@ -5,12 +5,10 @@ vocabulary size and bos/eos ids, so the gateway can tokenize and detokenize for 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+from dflash.prepare.tiny_common import copy_tokenizer, restrict_lm_head, vocab_fields
 
 # Small enough for CPU tests; chunk_size 8 so prompts of a few tokens cross scan chunks.
 TINY_BAMBA: dict[str, Any] = {
@@ -32,26 +30,15 @@ def make_tiny_hybrid(out_dir: str | Path, vocab_from: str | Path | None = None, 
     from transformers import BambaConfig, BambaForCausalLM
 
     out = Path(out_dir)
-    fields = {**TINY_BAMBA, **_vocab_fields(vocab_from), **overrides}
+    fields = {**TINY_BAMBA, **vocab_fields(vocab_from), **overrides}
     torch.manual_seed(seed)
     model = BambaForCausalLM(BambaConfig(**fields)).eval()
     _randomise_ssm_parameters(model, seed)
     if active_vocab is not None:
-        _restrict_lm_head(model, *active_vocab)
+        restrict_lm_head(model, *active_vocab)
     model.save_pretrained(out)
-    if vocab_from is not None:
-        for name in TOKENIZER_FILES:
-            if (Path(vocab_from) / name).is_file():
-                shutil.copy(Path(vocab_from) / name, out / name)
+    copy_tokenizer(vocab_from, out)
     return out
-
-
-def _vocab_fields(vocab_from: str | Path | None) -> dict[str, Any]:
-    if vocab_from is None:
-        return {}
-    cfg = json.loads((Path(vocab_from) / "config.json").read_text())
-    return {k: cfg[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
-            if k in cfg}
 
 
 def _randomise_ssm_parameters(model, seed: int) -> None:
@@ -66,15 +53,6 @@ def _randomise_ssm_parameters(model, seed: int) -> None:
                 module.A_log.copy_(torch.empty(n).uniform_(-1.0, 1.5, generator=g))
                 module.D.copy_(torch.empty(n).uniform_(0.5, 1.5, generator=g))
                 module.dt_bias.copy_(torch.empty(n).uniform_(-2.0, 1.0, generator=g))
-
-
-def _restrict_lm_head(model, lo: int, hi: int) -> None:
-    import torch
-    if not 0 <= lo < hi <= model.lm_head.weight.shape[0]:
-        raise ValueError(f"active vocab {lo}:{hi} outside the vocabulary")
-    with torch.no_grad():
-        model.lm_head.weight[:lo] = 0
-        model.lm_head.weight[hi:] = 0
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,8 @@ class AttentionBackend(ABC):
 
     name: str = "base"
     supports_trees: bool = False     # reads meta.tree_masks (a verified tree of drafts)
+    supports_latent_kv: bool = False  # MLA: keys-only latent cache, value width != key width
+    supports_fp8_kv: bool = False     # float8_e4m3fn pages with a per-tensor scale
 
     def __init__(self, cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float) -> None:
@@ -34,13 +36,13 @@ class AttentionBackend(ABC):
 
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """k, v [T, nkv, hd] -> cache slots [T]."""
-        self.cache.k[layer].index_copy_(0, slot_mapping, k.to(self.cache.k.dtype))
-        self.cache.v[layer].index_copy_(0, slot_mapping, v.to(self.cache.v.dtype))
+        """k, v [T, nkv, hd] -> cache slots [T] (v unused by a latent cache)."""
+        self.cache.write(layer, slot_mapping, k, v)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 causal: bool | None = None, window: int | None = None) -> torch.Tensor:
-        """q [T, nh, hd], k/v [T, nkv, hd] -> out [T, nh, hd]. `causal`/`window` override meta."""
+        """q [T, nh, hd], k/v [T, nkv, hd] -> out [T, nh, value_dim] (hd, or the latent's value
+        width for MLA). `causal`/`window` override meta."""
         self.store_kv(layer, k, v, self.meta.slot_mapping)
         return self.attend(layer, q, self.meta.causal if causal is None else causal, window)
 

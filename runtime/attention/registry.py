@@ -33,3 +33,16 @@ def backend_class(name: str) -> type[AttentionBackend]:
         raise BackendUnavailable(f"attention backend {name!r} is not available here: {e}. "
                                  f"Install the GPU extras (pip install '.[gpu]') or use "
                                  f"--attention-backend torch") from e
+
+
+def backends_supporting(feature: str) -> list[str]:
+    """Names of the backends importable here whose class sets `feature` (e.g. supports_fp8_kv)."""
+    names = []
+    for name in BACKENDS:
+        try:
+            cls = backend_class(name)
+        except BackendUnavailable:
+            continue
+        if getattr(cls, feature, False):
+            names.append(name)
+    return names

@@ -11,6 +11,8 @@ from runtime.attention.metadata import AttentionMetadata
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_trees = True
+    supports_latent_kv = True
+    supports_fp8_kv = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
@@ -51,10 +53,11 @@ class TorchAttentionBackend(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
                ) -> torch.Tensor:
         meta = self.meta
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc, vc = self.cache.k[layer], self.cache.values(layer)
+        self._layer = layer                                     # whose fp8 scales _sdpa applies
         if self._uniform:
             return self._forward_uniform(q, kc, vc, causal, window)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape[:-1] + vc.shape[-1:])
         trees = meta.tree_masks or [None] * meta.batch_size
         for i, (prefix, q_len) in enumerate(zip(meta.prefix_lens, meta.q_lens)):
             lo, hi = self._offsets[i], self._offsets[i + 1]
@@ -74,14 +77,16 @@ class TorchAttentionBackend(AttentionBackend):
     def _forward_uniform(self, q, kc, vc, causal, window) -> torch.Tensor:
         meta = self.meta
         bs, q_len, prefix = meta.batch_size, meta.q_lens[0], meta.prefix_lens[0]
-        qb = q.view(bs, q_len, self.num_heads, self.head_dim)
+        qb = q.view(bs, q_len, self.num_heads, q.shape[-1])
         kb, vb = kc[self._kv_index], vc[self._kv_index]                          # [bs, kv, nkv, hd]
         mask = self._mask(prefix, q_len, causal, window)
-        return self._sdpa(qb, kb, vb, mask).reshape(-1, self.num_heads, self.head_dim)
+        return self._sdpa(qb, kb, vb, mask).reshape(-1, self.num_heads, vc.shape[-1])
 
     def _sdpa(self, q, k, v, mask) -> torch.Tensor:
-        """q [b, q, nh, hd], k/v [b, kv, nkv, hd] -> [b, q, nh, hd]."""
-        q, k, v = (t.transpose(1, 2) for t in (q, k.to(q.dtype), v.to(q.dtype)))
+        """q [b, q, nh, hd], k [b, kv, nkv, hd], v [b, kv, nkv, vd] -> [b, q, nh, vd]."""
+        k = self.cache.dequant(self._layer, k, q.dtype)
+        v = self.cache.dequant(self._layer, v, q.dtype, values=True)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # GQA inside SDPA: no repeat_interleave copy of K/V per layer
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.num_kv_heads != self.num_heads)

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from runtime.config import RopeConfig
+from runtime.config import RopeConfig, yarn_mscale
 from runtime.layers import fused
 
 
@@ -41,7 +41,7 @@ def _yarn(inv_freq: torch.Tensor, rope: RopeConfig, dim: int, max_position: int
           ) -> tuple[torch.Tensor, float]:
     orig = rope.original_max_position or max_position
     factor = rope.factor
-    scale = rope.mscale or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    scale = rope.mscale or yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))

@@ -19,6 +19,7 @@ from torch import nn
 from runtime.attention.mamba_state_backend import MambaStateBackend, MambaStatePath
 from runtime.attention.metadata import AttentionMetadata
 from runtime.config import ModelConfig
+from runtime.kv_cache import KVLayout
 from runtime.layers.linear import Linear, linear
 from runtime.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from runtime.layers.mlp import GatedMLP
@@ -27,7 +28,7 @@ from runtime.layers.rope import RotaryEmbedding
 from runtime.models.dense import Attention
 from runtime.models.forward import ForwardBatch, ForwardOutput
 from runtime.state_pool import MambaStatePool
-from runtime.weights import safetensors_files
+from runtime.weights import tensor_names
 
 ATTENTION, MAMBA = "full_attention", "linear_attention"
 
@@ -85,14 +86,6 @@ class HybridConfig:
         return HybridConfig(base, mamba, types)
 
 
-def iter_tensor_names(path: str | Path):
-    """Tensor names of a checkpoint directory (headers only, no tensor is read)."""
-    from safetensors import safe_open
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            yield from f.keys()
-
-
 def _dt_limit(value: Any) -> tuple[float, float]:
     """time_step_limit as transformers writes it: [lo, hi], hi maybe {"__float__": "Infinity"}."""
     if not value:
@@ -146,6 +139,17 @@ class BambaForCausalLM(nn.Module):
     def num_attention_layers(self) -> int:
         return len(self.hybrid_cfg.attention_layers)
 
+    @property
+    def attention_layer_ids(self) -> list[int]:
+        """Model layer id of each KV-cache layer."""
+        return self.hybrid_cfg.attention_layers
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        c = self.cfg
+        return KVLayout(self.num_attention_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+                        c.head_dim ** -0.5)
+
     def make_state_pool(self, num_slots: int, max_block_size: int, device: torch.device | str,
                         num_verify_slots: int | None = None) -> MambaStatePool:
         """num_verify_slots: sequences that can verify blocks of 2+ tokens (default: all)."""
@@ -167,7 +171,7 @@ class BambaForCausalLM(nn.Module):
     def check_checkpoint(self, path: str | Path) -> None:
         """The checkpoint's per-layer mixer weights must match layer_types (before loading)."""
         found: dict[int, set[str]] = {}
-        for name in iter_tensor_names(path):
+        for name in tensor_names(path):
             m = re.match(r"model\.layers\.(\d+)\.(mamba|self_attn)\.", name)
             if m:
                 found.setdefault(int(m.group(1)), set()).add(m.group(2))

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from runtime.config import ModelConfig
+from runtime.kv_cache import KVLayout
 from runtime.layers.linear import Linear, linear
 from runtime.layers.mlp import GatedMLP
 from runtime.layers.norm import RMSNorm
@@ -44,12 +45,17 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    """Pre-norm attention + MLP. self_attn / mlp: other families' modules of the same contract
+    (attention: (x [T, H], positions, rope, batch) -> [T, H]; MLP: [T, H] -> [T, H])."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, self_attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id)
+        self.self_attn = self_attn if self_attn is not None else Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size,
+                                                        cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -79,15 +85,24 @@ class DenseDecoder(nn.Module):
 
     hybrid = False
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module] | None = None,
+                 rope: RotaryEmbedding | None = None) -> None:
+        """layers, rope: another family's (runtime/models/deepseek.py), else Llama/Qwen's."""
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layers if layers is not None else
+                                    (DecoderLayer(cfg, i) for i in range(cfg.num_layers)))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope)
+        self.rope = rope if rope is not None else RotaryEmbedding(cfg.head_dim, cfg.max_position,
+                                                                   cfg.rope)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        c = self.cfg
+        return KVLayout(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from runtime.config import ModelConfig, read_config_json
-from runtime.weights import load_weights
+from runtime.weights import KV_SCALE_SUFFIXES, load_weights
 
 
 def build_empty(cls: type[nn.Module], cfg, device: torch.device | str, dtype: torch.dtype
@@ -25,10 +25,10 @@ def build_empty(cls: type[nn.Module], cfg, device: torch.device | str, dtype: to
 def model_class(raw: dict) -> tuple[type[nn.Module], object]:
     """(class, parsed config) for a config.json dict."""
     model_type = raw.get("model_type", "")
-    from runtime.models import hybrid_registry
-    hybrid = hybrid_registry.lookup(model_type)
-    if hybrid is not None:
-        return hybrid(raw)
+    from runtime.models import families
+    family = families.lookup(model_type)
+    if family is not None:
+        return family(raw)
     from runtime.models.dense import DenseDecoder
     return DenseDecoder, ModelConfig.from_dict(raw)
 
@@ -44,7 +44,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     check = getattr(model, "check_checkpoint", None)   # hybrid: layer pattern vs weights
     if check is not None:
         check(path)
-    ignore = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if getattr(cfg, "tie_word_embeddings", False) else ())
+    ignore = ("rotary_emb.inv_freq", *KV_SCALE_SUFFIXES) + (
+        ("lm_head.weight",) if getattr(cfg, "tie_word_embeddings", False) else ())
     load_weights(model, path, ignore=ignore)
     model.eval().requires_grad_(False)
     return model

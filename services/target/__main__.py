@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               "--speculation auto (0 = off: the gateway then uses fixed speculation)")
     flags.add(p, "--feature-plane-mib", 512, int, "size of each feature plane (full: features "
               "go in messages)")
+    flags.add(p, "--kv-cache-dtype", "auto", str, "auto | fp8_e4m3: KV pages in the model's dtype, "
+              "or float8 e4m3 with per-layer scales from the checkpoint's k_scale / v_scale "
+              "(else 1.0): half the bytes of bf16 (attention backends: torch)")
     flags.add(p, "--prefix-state-checkpoints", 16, int, "hybrid models with prefix caching: "
               "recurrent states kept at page boundaries of cached prefixes (each the size of "
               "one sequence's state, within --kv-budget); 0 = none, prefix caching off for them")
@@ -70,7 +73,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
     return TargetConfig(
         model_dir=args.model, device=args.device, dtype=args.dtype,
         attention_backend=args.attention_backend, kv_budget_bytes=args.kv_budget,
-        page_size=args.page_size, max_context=args.max_context,
+        kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size, max_context=args.max_context,
         max_block_size=args.max_block_size, max_tree_nodes=args.max_tree_nodes,
         token_budget=args.token_budget, lease_seconds=args.lease_seconds,
         state_slots=args.state_slots, model_id=args.model_id,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM
 
 PLANE_CHOICES = ("auto", "shm", "cuda-ipc", "stream", "off")     # --feature-plane
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")                             # --kv-cache-dtype
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class TargetConfig:
     dtype: str = "float32"
     attention_backend: str = "torch"
     kv_budget_bytes: int = 1 << 30
+    kv_cache_dtype: str = "auto"       # auto = the model's dtype; fp8_e4m3 (scales: runtime/kv_cache.py)
     page_size: int = 16
     max_context: int = 0               # 0 = the model's max_position_embeddings
     max_block_size: int = 32
@@ -65,6 +67,9 @@ class TargetConfig:
             raise ValueError(f"prefix_cache_max_pages ({self.prefix_cache_max_pages}, 0 = no "
                              f"cap) and prefix_state_checkpoints "
                              f"({self.prefix_state_checkpoints}) must be >= 0")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv cache dtype {self.kv_cache_dtype!r} is not supported; allowed: "
+                             f"{' | '.join(KV_CACHE_DTYPES)}")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu gemm {self.cpu_gemm!r} is not offered by this torch build; "
                              f"allowed: {sorted(CPU_GEMMS)}")

@@ -25,6 +25,8 @@ class TargetHooks(ServiceHooks):
                                        # logits (per-sequence failure isolation)
     fail_cost_calibration: bool = False   # tests: the warm-up verify cost calibration raises
                                        # (the service must start anyway, with no cost curve)
+    backend_delay_s: float = 0.0       # tests: seconds spent building the attention backend
+                                       # (a slow backend initialisation, the seed's scenario)
     pad_verify_to: tuple[int, ...] = ()   # tests: pad chain verify blocks as if CUDA graphs of
                                        # these sizes were captured (the padding runs on the CPU)
 

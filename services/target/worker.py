@@ -21,13 +21,14 @@ from runtime.attention.hybrid import HybridAttnBackend, can_commit_mamba_state
 from runtime.attention.metadata import AttentionMetadata, SeqSlice
 from runtime.attention.registry import backend_class
 from runtime.config import default_model_id, dtype_name, parse_dtype
-from runtime.kv_cache import PagedKVCache
+from runtime.kv_cache import KVLayout, KVScales, PagedKVCache
 from runtime.layers.linear import calibrate_cpu_gemm, set_cpu_gemm
 from runtime.models.forward import ForwardBatch, ForwardOutput
 from runtime.models.registry import load_model
 from runtime.prefix_cache import PrefixCache
 from runtime.state_checkpoints import StateCheckpoints
 from runtime.tokenizer import tokenizer_fingerprint
+from runtime.weights import read_kv_scales
 from services.common.errors import NotReady
 from services.target.config import TargetConfig
 from services.target.cost_curves import CostCurves
@@ -118,7 +119,6 @@ class TargetWorker:
         return worker
 
     def alloc_memory_pools(self) -> None:
-        cfg = self.model.cfg
         state_bytes = 0
         if self.facts.hybrid:
             verify_slots = self.config.verify_state_slots
@@ -134,17 +134,37 @@ class TargetWorker:
                     f"verify slots x max block size), the memory budget is "
                     f"{self.config.kv_budget_bytes}: raise --kv-budget or lower --state-slots / "
                     f"--verify-state-slots / --max-block-size")
-        per_page = PagedKVCache.bytes_per_page(self.num_attention_layers, cfg.num_kv_heads,
-                                               cfg.head_dim, self.config.page_size, self.dtype)
+        layout, kv_dtype = self.model.kv_layout, self.kv_dtype
+        per_page = PagedKVCache.layout_bytes_per_page(layout, self.config.page_size, kv_dtype)
         pages = max(0, self.config.kv_budget_bytes - state_bytes) // per_page
-        self.kv_cache = PagedKVCache(self.num_attention_layers, cfg.num_kv_heads, cfg.head_dim,
-                                     self.config.page_size, int(pages), self.dtype, self.device,
-                                     self._prefix_cache())
+        self.kv_cache = PagedKVCache.for_layout(layout, self.config.page_size, int(pages),
+                                                kv_dtype, self.device, self._prefix_cache(),
+                                                self._kv_scales(layout))
         self.stage = "pools"
         log.info("memory pools allocated", extra={
             "kv_pages": self.kv_cache.usable_pages, "page_size": self.config.page_size,
             "kv_tokens": self.kv_cache.usable_pages * self.config.page_size,
+            "kv_dtype": str(kv_dtype).removeprefix("torch."),
+            "kv_bytes_per_token": per_page // self.config.page_size,
+            "latent_kv": bool(layout.latent_value_dim),
             "state_bytes": state_bytes, "prefix_caching": self.prefix_caching})
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """--kv-cache-dtype: the model's dtype (auto) or float8 e4m3."""
+        return torch.float8_e4m3fn if self.config.kv_cache_dtype == "fp8_e4m3" else self.dtype
+
+    def _kv_scales(self, layout: KVLayout) -> KVScales | None:
+        """fp8: the checkpoint's per-layer k_scale / v_scale where it has them, else 1.0."""
+        if self.kv_dtype != torch.float8_e4m3fn:
+            return None
+        ids = getattr(self.model, "attention_layer_ids", range(layout.num_layers))
+        found = {} if self.hooks.random_weights else read_kv_scales(self.config.model_dir)
+        k = tuple(found.get((i, "k"), 1.0) for i in ids)
+        v = tuple(found.get((i, "v"), found.get((i, "k"), 1.0)) for i in ids)
+        log.info("fp8 KV cache scales: %s", "from the checkpoint" if found else
+                 "1.0 for every layer (the checkpoint has no k_scale / v_scale)")
+        return KVScales(k, v)
 
     def _state_checkpoints(self) -> StateCheckpoints | None:
         """Hybrid prefix caching: --prefix-state-checkpoints, at most as many as a quarter of
@@ -178,14 +198,16 @@ class TargetWorker:
 
     @property
     def num_attention_layers(self) -> int:
-        return getattr(self.model, "num_attention_layers", self.model.cfg.num_layers)
+        return self.model.kv_layout.num_layers
 
     def init_attention_backends(self) -> None:
         self._require("pools", "init_attention_backends")
-        cfg = self.model.cfg
+        layout = self.model.kv_layout
         cls = backend_class(self.config.attention_backend)
-        backend: AttentionBackend = cls(self.kv_cache, cfg.num_heads, cfg.num_kv_heads,
-                                        cfg.head_dim, cfg.head_dim ** -0.5)
+        check_backend_fits(cls, layout, self.kv_dtype)
+        time.sleep(self.hooks.backend_delay_s)
+        backend: AttentionBackend = cls(self.kv_cache, layout.num_heads, layout.num_kv_heads,
+                                        layout.head_dim, layout.scale)
         if self.facts.hybrid:
             mamba = self.model.make_state_backend(self.state_pool, self.hooks.mamba_commit)
             backend = HybridAttnBackend(backend, mamba)
@@ -197,7 +219,8 @@ class TargetWorker:
         self._tree_backend = None
         if not self.facts.hybrid:
             self._tree_backend = backend if backend.supports_trees else backend_class("torch")(
-                self.kv_cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+                self.kv_cache, layout.num_heads, layout.num_kv_heads, layout.head_dim,
+                layout.scale)
         # Decided only now, from the model (does it have mamba layers?) and the backend that
         # exists (can it commit?) - a delegating wrapper alone never makes this True.
         self._need_mamba_verify_commit = self.facts.hybrid and can_commit_mamba_state(backend)
@@ -331,3 +354,18 @@ def sha256_file(path: str) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def check_backend_fits(cls: type[AttentionBackend], layout: KVLayout, kv_dtype: torch.dtype
+                       ) -> None:
+    """Before the backend is built: a model or cache it cannot read is a start-up error naming
+    the flag and the backends that can."""
+    from runtime.attention.registry import backends_supporting
+    if layout.latent_value_dim and not cls.supports_latent_kv:
+        raise ValueError(f"--attention-backend {cls.name} cannot run multi-head latent attention "
+                         f"(this model's latent KV cache); backends that can: "
+                         f"{backends_supporting('supports_latent_kv')}")
+    if kv_dtype == torch.float8_e4m3fn and not cls.supports_fp8_kv:
+        raise ValueError(f"--kv-cache-dtype fp8_e4m3 is not supported by --attention-backend "
+                         f"{cls.name}; backends that support it: "
+                         f"{backends_supporting('supports_fp8_kv')} (or --kv-cache-dtype auto)")

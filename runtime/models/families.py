@@ -1,0 +1,27 @@
+"""model_type -> builder of (class, config) for the families beside the dense Llama/Qwen ones:
+hybrid (recurrent + attention) and multi-head latent attention models. Builders import their
+module lazily, so dense-only processes never load the mamba or MLA code."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def _bamba(raw: dict) -> tuple[type, object]:
+    from runtime.models.bamba import build
+    return build(raw)
+
+
+def _deepseek(raw: dict) -> tuple[type, object]:
+    from runtime.models.deepseek import build
+    return build(raw)
+
+
+FAMILIES: dict[str, Callable[[dict], tuple[type, object]]] = {
+    "bamba": _bamba,
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
+}
+
+
+def lookup(model_type: str) -> Callable[[dict], tuple[type, object]] | None:
+    return FAMILIES.get(model_type)
