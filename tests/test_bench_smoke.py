@@ -204,6 +204,12 @@ def target_cpu(d: dict) -> None:
     positive(*(r["tokens_per_s"] for r in d["prefill"]), *(r["median_ms"] for r in d["grpc"]))
 
 
+def kv_fp8(d: dict) -> None:
+    assert d["bytes_per_token"]["fp8_e4m3"] * 2 == d["bytes_per_token"]["auto"]
+    assert len(d["rows"]) == d["prompts"] == 1
+    assert 0.0 <= d["summary"]["mean_agreement"] <= 1.0
+
+
 def train_step(d: dict) -> None:
     positive(d["seconds_per_step"], *d["train_seconds_of_runs"])
 
@@ -257,6 +263,7 @@ BENCHES = [
     Bench("gpu_side_by_side", gpu_side_by_side, out_is_dir="gpu_side_by_side.json"),
     Bench("h200_micro", h200_micro),
     Bench("hybrid_cpu", hybrid_cpu, extra=("--threads", "1")),        # as OMP_NUM_THREADS
+    Bench("kv_fp8", kv_fp8, "## fp8 KV cache (CPU)"),
     Bench("prefix_cache", prefix_cache, "## Prefix caching (CPU)"),
     Bench("simulated_tau", simulated_tau),
     Bench("smollm2_gpu", smollm2_gpu),
