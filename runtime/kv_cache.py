@@ -127,10 +127,15 @@ class PagedKVCache:
         """Gathered keys (or values) of a layer -> dtype, times their scale when stored as fp8
         (a latent cache's values are its keys: the key scale)."""
         out = entries.to(dtype)
-        if not self.fp8:
-            return out
-        scale = (self.scales.v if values and not self.latent_value_dim else self.scales.k)[layer]
+        scale = self.layer_scales(layer)[1 if values else 0]
         return out * scale if scale != 1.0 else out
+
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        """(key scale, value scale) a kernel applies to the layer's entries (1.0 unless fp8)."""
+        if not self.fp8:
+            return 1.0, 1.0
+        k = self.scales.k[layer]
+        return k, (k if self.latent_value_dim else self.scales.v[layer])
 
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if not self.fp8:

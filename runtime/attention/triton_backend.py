@@ -7,7 +7,7 @@ import triton
 
 from runtime.attention.base import AttentionBackend
 from runtime.attention.metadata import AttentionMetadata
-from runtime.attention.triton_kernels import paged_block_attention
+from runtime.attention.triton_kernels import paged_block_attention, paged_mla_attention
 
 
 def _next_pow2(n: int) -> int:
@@ -32,10 +32,28 @@ def tree_bits(meta: AttentionMetadata) -> torch.Tensor:
                       for q_len, tree in zip(meta.q_lens, meta.tree_masks)])
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 class TritonAttentionBackend(AttentionBackend):
+    """Dense K/V caches (paged_block_attention) and MLA's latent cache (paged_mla_attention),
+    in the model's dtype or fp8 (pages read as the queries' dtype, scales folded in)."""
     name = "triton"
     supports_trees = True
+    supports_latent_kv = True
+    supports_fp8_kv = True
     BLOCK_N = 32
+    MLA_BLOCK_M = 32          # rows (token x head) per program: a [32, kv_lora_rank] fp32 acc
+
+    def __init__(self, cache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+                 ) -> None:
+        super().__init__(cache, num_heads, num_kv_heads, head_dim, scale)
+        lat = cache.latent_value_dim
+        if lat and not (_pow2(lat) and _pow2(head_dim - lat)):
+            raise ValueError(f"--attention-backend triton runs multi-head latent attention with "
+                             f"power-of-two kv_lora_rank and qk_rope_head_dim; this model has "
+                             f"{lat} and {head_dim - lat} (use --attention-backend torch)")
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
@@ -53,7 +71,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._cu_q, self._prefix, self._tables, self._tree = cu_q, prefix, tables, tree
         group = self.num_heads // self.num_kv_heads
         rows = max_q_len * group
-        self._block_m = max(16, min(64, _next_pow2(rows)))
+        self._block_m = max(16, min(self.MLA_BLOCK_M if self.cache.latent_value_dim else 64,
+                                     _next_pow2(rows)))
         self._grid = (prefix.shape[0], self.num_kv_heads, triton.cdiv(rows, self._block_m))
 
     def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
@@ -64,15 +83,37 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError("a tree of drafts is verified by causal layers without a window "
                              "(target models); this layer has a window or is bidirectional")
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        q = q.to(kc.dtype).contiguous()
+        if not self.cache.fp8:
+            q = q.to(kc.dtype)
+        q = q.contiguous()
+        k_scale, v_scale = self.cache.layer_scales(layer)
+        if self.cache.latent_value_dim:
+            return self._attend_latent(q, kc, tree, self.scale * k_scale, v_scale)
         out = torch.empty_like(q)
         paged_block_attention[self._grid](
             q, kc, vc, out, self._cu_q, self._prefix, self._tables,
             tree if tree is not None else self._cu_q,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
-            self._tables.stride(0), tree.stride(0) if tree is not None else 0, self.scale,
+            self._tables.stride(0), tree.stride(0) if tree is not None else 0,
+            self.scale * k_scale, v_scale,
             GROUP=self.num_heads // self.num_kv_heads, D=self.head_dim, PAGE=meta.page_size,
             BLOCK_M=self._block_m, BLOCK_N=self.BLOCK_N, CAUSAL=causal, WINDOW=window or 0,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TREE=tree is not None,
+        )
+        return out
+
+    def _attend_latent(self, q: torch.Tensor, kc: torch.Tensor, tree: torch.Tensor | None,
+                       scale: float, out_scale: float) -> torch.Tensor:
+        """q [T, nh, lat+rope] over the latent cache kc [S, 1, lat+rope] -> [T, nh, lat]."""
+        lat = self.cache.latent_value_dim
+        out = q.new_empty(q.shape[0], self.num_heads, lat)
+        paged_mla_attention[self._grid](
+            q, kc, out, self._cu_q, self._prefix, self._tables,
+            tree if tree is not None else self._cu_q,
+            q.stride(0), q.stride(1), kc.stride(0), out.stride(0), out.stride(1),
+            self._tables.stride(0), tree.stride(0) if tree is not None else 0, scale, out_scale,
+            GROUP=self.num_heads, DL=lat, DR=self.head_dim - lat, PAGE=self.meta.page_size,
+            BLOCK_M=self._block_m, BLOCK_N=self.BLOCK_N,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TREE=tree is not None,
         )
         return out

@@ -7,7 +7,8 @@ Keys are walked in BLOCK_N steps through the page table with an online softmax (
 
   q        [T, NH, D]       new tokens of all sequences, flattened (cu_q gives the offsets)
   k, v     [S, NKV, D]      one layer of the paged cache (S = pages * PAGE)
-  out      [T, NH, D]
+  out      [T, NH, D]       times out_scale (an fp8 cache's value scale; its key scale is
+                            in `scale`; fp8 pages are read as q's dtype)
   cu_q     int32 [bs+1]     token offsets; prefix int32 [bs]: cached tokens before them
   tables   int32 [bs, P]    page ids per sequence
   CAUSAL:  query at position prefix+i sees keys <= prefix+i (else all prefix+q_len keys);
@@ -54,7 +55,7 @@ def _tree_visible(tree, stride_tree, qrow, row_ok, kpos, k_ok, pre):
 def paged_block_attention(
     q, k, v, out, cu_q, prefix, tables, tree,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb, stride_tree,
-    scale,
+    scale, out_scale,
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, TREE: tl.constexpr,
@@ -85,7 +86,7 @@ def paged_block_attention(
             page = tl.load(tables + b * stride_tb + kpos // PAGE, mask=k_ok, other=0)
             slot = page * PAGE + kpos % PAGE
             kb = tl.load(k + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                         mask=k_ok[:, None], other=0.0)
+                         mask=k_ok[:, None], other=0.0).to(qb.dtype)
             s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION).to(tl.float32) * scale
             ok = k_ok[None, :] & row_ok[:, None]
             if CAUSAL:
@@ -101,9 +102,74 @@ def paged_block_attention(
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             vb = tl.load(v + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                         mask=k_ok[:, None], other=0.0)
+                         mask=k_ok[:, None], other=0.0).to(qb.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION).to(tl.float32)
             m_i = m_new
-        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        acc = acc * out_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out + (q_lo + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def paged_mla_attention(
+    q, k, out, cu_q, prefix, tables, tree,
+    stride_qt, stride_qh, stride_ks, stride_ot, stride_oh, stride_tb, stride_tree,
+    scale, out_scale,
+    GROUP: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TREE: tl.constexpr,
+):
+    """Multi-head latent attention (weight-absorbed, runtime/models/deepseek.py) over a latent
+    cache: one KV "head" per token, [DL latent | DR rope key]; the values are the latent.
+
+      q    [T, NH, DL+DR]   queries already in the latent space (W_UK applied), rope part last
+      k    [S, 1, DL+DR]    one layer of the latent cache (fp8 pages are read as q's dtype)
+      out  [T, NH, DL]      times out_scale (an fp8 cache's scale; its key scale is in `scale`)
+    Causal, as target layers are; TREE as in paged_block_attention. One program = (sequence,
+    -, block of BLOCK_M rows); row r is new token r // GROUP, head r % GROUP (GROUP = NH: every
+    head shares the one latent head, so a decode step of 16 heads fills a 16-row MMA)."""
+    b = tl.program_id(0)
+    mblk = tl.program_id(2)
+    q_lo = tl.load(cu_q + b)
+    q_len = tl.load(cu_q + b + 1) - q_lo
+    pre = tl.load(prefix + b)
+    rows = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = rows % GROUP
+    row_ok = tok < q_len
+    if mblk * BLOCK_M < q_len * GROUP:
+        dl = tl.arange(0, DL)
+        dr = tl.arange(0, DR)
+        q_row = q + (q_lo + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+        q_lat = tl.load(q_row + dl[None, :], mask=row_ok[:, None], other=0.0)
+        q_rope = tl.load(q_row + DL + dr[None, :], mask=row_ok[:, None], other=0.0)
+        qpos = pre + tok
+        last = tl.minimum(pre + (mblk * BLOCK_M + BLOCK_M - 1) // GROUP + 1, pre + q_len)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DL], tl.float32)
+        for start in range(0, last, BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            k_ok = kpos < last
+            page = tl.load(tables + b * stride_tb + kpos // PAGE, mask=k_ok, other=0)
+            slot = (page * PAGE + kpos % PAGE).to(tl.int64)
+            k_row = k + slot[:, None] * stride_ks
+            k_lat = tl.load(k_row + dl[None, :], mask=k_ok[:, None], other=0.0).to(q_lat.dtype)
+            k_rope = tl.load(k_row + DL + dr[None, :], mask=k_ok[:, None], other=0.0).to(q_lat.dtype)
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION).to(tl.float32)
+            s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION).to(tl.float32)
+            s = s * scale
+            ok = k_ok[None, :] & row_ok[:, None] & (kpos[None, :] <= qpos[:, None])
+            if TREE:
+                ok = ok & _tree_visible(tree, stride_tree, q_lo + tok, row_ok, kpos, k_ok, pre)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat,
+                                                input_precision=PRECISION).to(tl.float32)
+            m_i = m_new
+        acc = acc * out_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = out + (q_lo + tok)[:, None] * stride_ot + head[:, None] * stride_oh + dl[None, :]
         tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None])

@@ -275,6 +275,12 @@ class DeepseekDecoder(DenseDecoder):
         self.mla_cfg = cfg
 
     @property
+    def graph_capturable(self) -> bool:
+        """MoE layers run the experts their tokens chose (a host sync): no CUDA graphs. A
+        grouped-GEMM kernel with static shapes would lift this."""
+        return not any(self.mla_cfg.is_moe(i) for i in range(self.cfg.num_layers))
+
+    @property
     def kv_layout(self) -> KVLayout:
         c = self.mla_cfg
         return KVLayout(c.base.num_layers, c.base.num_heads, 1, c.kv_lora_rank + c.qk_rope_head_dim,

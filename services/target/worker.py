@@ -273,12 +273,17 @@ class TargetWorker:
     # -- CUDA graphs (warm-up) ---------------------------------------------------------------
     def capture_cuda_graphs(self) -> None:
         """Captures verify forwards for each configured block size (and the configured feature
-        layers) at bucketed batch sizes. Eager fallback: not on CUDA, a hybrid model, a backend
-        that cannot bind static buffers (torch, flashinfer), or --no-cuda-graphs."""
+        layers) at bucketed batch sizes. Eager fallback: not on CUDA, a hybrid model, a model
+        whose forward syncs with the host (mixture-of-experts routing), a backend that cannot
+        bind static buffers (torch, flashinfer), or --no-cuda-graphs."""
         cfg = self.config
         backend = self.attn_backend
         if (not cfg.cuda_graphs or self.device.type != "cuda" or self.facts.hybrid
                 or not hasattr(backend, "bind")):
+            return
+        if not getattr(self.model, "graph_capturable", True):
+            log.info("cuda graphs off: this model's forward cannot be captured (its mixture of "
+                     "experts picks the experts to run on the host)")
             return
         from runtime.cuda_graphs import GraphRunner
         model = self.model
