@@ -50,7 +50,10 @@ from bench.h200_micro import (
 )
 from bench.tiny import NO_CUDA, tiny_fields, tiny_outputs
 from dflash.harness import ForcedAcceptance, HookFlags
+from dflash.prepare.tiny_mla import DEEPSEEK_V2_LITE
 
+SHAPES = {"qwen3-8b": (QWEN3_8B, [1, 9, 17, 25, 33]),
+          "deepseek-v2-lite": (DEEPSEEK_V2_LITE, [1, 7, 13, 19, 25])}
 TAUS = (6.4, 3.0)
 LEVELS = (1, 8, 32)
 WIRES = ("unary", "stream")
@@ -137,6 +140,7 @@ class GpuStack:
             log_dir=str(log_dir), quiet=True, ready_timeout_s=900, device=args.device,
             attention_backend=args.backend,
             target_args=(*PREFIX_CACHING_OFF, "--kv-budget", args.target_kv,
+                         "--kv-cache-dtype", args.kv_cache_dtype,
                          "--max-block-size", "16", "--graph-capture-layers", capture,
                          "--token-budget", "2048", "--feature-plane", plane,
                          "--max-message-mib", "512"),
@@ -467,6 +471,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="small shape on CPU (smoke test; --out defaults to a temporary folder)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_side_by_side"))
     ap.add_argument("--parts", nargs="*", default=["ar", "services", "inproc", "transformers"])
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES),
+                    help="the target's shape (random weights): deepseek-v2-lite is MLA + MoE "
+                         "(parts ar and services)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the target's: auto | fp8_e4m3")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--transformers-budget-s", type=float, default=240)
@@ -494,8 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rec = Recorder(out / "gpu_side_by_side.json")
-    shape = TINY if args.tiny else QWEN3_8B
-    taps = [1, 2, 3, 4, 5] if args.tiny else [1, 9, 17, 25, 33]
+    shape, taps = (TINY, [1, 2, 3, 4, 5]) if args.tiny else SHAPES[args.shape]
     levels = (1, 2) if args.tiny else tuple(args.levels)
     max_tokens = 24 if args.tiny else args.max_tokens
     prompt_len = 16 if args.tiny else args.prompt_len
@@ -511,13 +518,15 @@ def main(argv: list[str] | None = None) -> None:
         for key, value in tiny_fields(TINY_SKIPPED).items():
             rec.put(key, value)
     taus = tuple(args.taus[:1] if args.tiny else args.taus)   # --tiny: one forced tau
-    rec.put("setup", {"target": "Qwen3-8B shape, random bf16" if not args.tiny else "tiny",
+    rec.put("setup", {"target": f"{args.shape} shape, random bf16" if not args.tiny else "tiny",
+                      "kv_cache_dtype": args.kv_cache_dtype,
                       "drafter": f"DFlash 5 layers, taps {taps}, block 16",
                       "prompt_tokens": prompt_len, "max_tokens": max_tokens,
                       "forced_tau": list(taus),
                       "hooks": ["random_weights", "forced_acceptance"]})
     bw = copy_bandwidth(args.device)
-    wb = weight_bytes(shape, 5, len(taps))
+    wb = weight_bytes({"head_dim": shape["hidden_size"] // shape["num_attention_heads"], **shape},
+                      5, len(taps))      # MLA + MoE shapes: a dense estimate (an upper bound)
     rec.put("floor", {"copy_GBps": round(bw, 1), "target_bytes": wb["target"],
                       "draft_bytes": wb["draft"],
                       "floor_ms_per_step": round(1000 * (wb["target"] + wb["draft"]) / (bw * 1e9), 3),

@@ -121,6 +121,78 @@ def attention(name: str, device: str, bs: int, ctx: int, block: int, shape: dict
     return timed(lambda: be.forward(0, q, k, k), device, warmup=3, iters=20)
 
 
+def mla_attention(name: str, device: str, bs: int, ctx: int, block: int, heads: int,
+                  kv_dtype: torch.dtype, lat: int = 512, rope: int = 64) -> float:
+    """ms per layer: one verify-block MLA attention (absorbed form) over a paged latent cache
+    of our own layout, through one of our backends (torch, triton)."""
+    from runtime.attention.metadata import AttentionMetadata, SeqSlice
+    from runtime.attention.registry import backend_class
+    from runtime.kv_cache import PagedKVCache, PageTable
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    ps = 16
+    pages = bs * (-(-(ctx + block) // ps)) + 2
+    cache = PagedKVCache(1, 1, lat + rope, ps, pages, kv_dtype, device, latent_value_dim=lat)
+    cache.write(0, torch.arange(cache.k.shape[1], device=device),
+                torch.randn(cache.k.shape[1], 1, lat + rope, device=device), None)
+    tables = [PageTable() for _ in range(bs)]
+    for t in tables:
+        cache.ensure(t, ctx + block)
+    meta = AttentionMetadata.build([SeqSlice(t, ctx, block) for t in tables], cache, True, device)
+    be = backend_class(name)(cache, heads, 1, lat + rope, (128 + rope) ** -0.5)
+    be.prepare(meta)
+    q = torch.randn(bs * block, heads, lat + rope, dtype=dtype, device=device)
+    k = torch.randn(bs * block, 1, lat + rope, dtype=dtype, device=device)
+    return timed(lambda: be.forward(0, q, k, k), device, warmup=3, iters=20)
+
+
+def flashinfer_mla_attention(bs: int, ctx: int, block: int, heads: int, lat: int = 512,
+                             rope: int = 64) -> float:
+    """ms per layer: FlashInfer's MLA wrapper (its own cache layout: latent and rope pages
+    apart), the same verify-block attention, bf16."""
+    import flashinfer
+    ps, dev, dt = 16, "cuda", torch.bfloat16
+    per_seq = -(-(ctx + block) // ps)
+    ckv = torch.randn(bs * per_seq, ps, lat, dtype=dt, device=dev)
+    kpe = torch.randn(bs * per_seq, ps, rope, dtype=dt, device=dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device=dev))
+    wrapper.plan(torch.arange(bs + 1, **i32) * block, torch.arange(bs + 1, **i32) * per_seq,
+                 torch.arange(bs * per_seq, **i32), torch.full((bs,), ctx + block, **i32),
+                 heads, lat, rope, ps, True, (128 + rope) ** -0.5, dt, dt)
+    q_nope = torch.randn(bs * block, heads, lat, dtype=dt, device=dev)
+    q_pe = torch.randn(bs * block, heads, rope, dtype=dt, device=dev)
+    return timed(lambda: wrapper.run(q_nope, q_pe, ckv, kpe), "cuda", warmup=3, iters=20)
+
+
+def mla_rows(device: str, rec: Recorder, tiny: bool) -> list[dict]:
+    """Our MLA backends (and FlashInfer's wrapper on a GPU) by heads, verify block and cache
+    dtype: batch 32 at context 4096 (tiny: torch, batch 2 at 64)."""
+    rows = []
+    bs, ctx = (2, 64) if tiny else (32, 4096)
+    names = ("torch",) if tiny else ("triton", "torch")
+    for heads in ((4,) if tiny else (16, 128)):
+        for block in (1, 16):
+            for kv in (torch.bfloat16, torch.float8_e4m3fn):
+                row = {"heads": heads, "block": block, "kv": str(kv).removeprefix("torch."),
+                       "batch": bs, "context": ctx}
+                for name in names:
+                    try:
+                        row[f"{name}_ms"] = round(mla_attention(name, device, bs, ctx, block,
+                                                                heads, kv), 4)
+                    except Exception as e:  # noqa: BLE001 - kept in the JSON
+                        row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+                if not tiny and kv == torch.bfloat16:
+                    try:
+                        row["flashinfer_ms"] = round(flashinfer_mla_attention(bs, ctx, block,
+                                                                              heads), 4)
+                    except Exception as e:  # noqa: BLE001
+                        row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:300]
+                rows.append(row)
+                rec.put("mla_attention", rows)
+    return rows
+
+
 def target_steps(tdir: Path, device: str, rec: Recorder, batches, blocks, ctx: int, backend: str,
                  graphs: bool) -> dict:
     from runtime.attention.metadata import SeqSlice
@@ -274,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     if "transformers" not in args.skip:
         guarded(rec, "transformers_bs1",
                 lambda: transformers_decode(shape, device, ctx, 8 if args.tiny else 128))
+    if "mla" not in args.skip:
+        guarded(rec, "mla", lambda: len(mla_rows(device, rec, args.tiny)))
     if not args.tiny and "flashinfer" not in args.skip:
         guarded(rec, "attn_flashinfer_ms",
                 lambda: round(attention("flashinfer", device, 32, 4096, 16, shape), 4))
