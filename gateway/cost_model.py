@@ -14,7 +14,8 @@
   adjacent violators: a bigger batch never costs less), interpolated linearly and extrapolated
   past the last point; trees as measured, and past their last point at chain rates.
 - propose(appended): a Propose round trip as the gateway waits for it, by the context rows it
-  appends (a robust line through the last few: Theil-Sen). A step that drafts every time
+  appends (a robust line through the last few: Theil-Sen), starting from the draft's warm-up
+  curve (DraftCapabilities.propose_cost: its engine time for a steady-state Propose). A step that drafts every time
   appends what the last one committed; one after a stretch without drafting appends the whole
   backlog, and the first one the prompt: pricing every Propose at what one of those cost had
   kept a CPU that rarely drafts from ever trying the steady state (chains of 2 beat not
@@ -220,6 +221,17 @@ class CostModel:
             curve.observe(batch_tokens, batch_seconds)
             self.overhead_s = _average(self.overhead_s,
                                        max(0.0, wall_s - queue_s - batch_seconds))
+
+    def seed_proposes(self, chains: Iterable[tuple[int, float]],
+                      trees: Iterable[tuple[int, float]] = ()) -> None:
+        """The draft's warm-up points (DraftCapabilities.propose_cost: engine time by appended
+        rows): the lines' prior until serving has timed Proposes of its own, which push them
+        out of the window. Only into an empty window."""
+        for window, points, tree in ((self._proposes, list(chains), False),
+                                     (self._tree_proposes, list(trees), True)):
+            if points and not window:
+                for appended, seconds in points:
+                    self.observe_propose(seconds, appended, tree)
 
     def observe_propose(self, wall_s: float, appended: int = 0, tree: bool = False) -> None:
         """A Propose round trip that appended `appended` context rows. A robust line through

@@ -81,6 +81,7 @@ class GatewayState:
         self.policy = SpeculationPolicy()   # --speculation auto (gateway/speculation_policy.py)
         self._policy_caps: target_pb2.TargetCapabilities | None = None  # the caps it read
         self._policy_curve: tuple | None = None     # (chains, trees, padded blocks) it was built on
+        self._policy_draft: draft_pb2.DraftCapabilities | None = None   # the Propose prior it took
         self._grammars: GrammarCompiler | None = None    # built at the first structured request
         self._grammars_lock = asyncio.Lock()
         self._published: bool | None = None
@@ -136,6 +137,12 @@ class GatewayState:
         if caps is not self._policy_caps:           # new capabilities (a target (re)start)
             self._policy_caps = caps
             self._rebuild_policy_cost(caps)
+        dcaps = self.draft.capabilities if self.draft is not None else None
+        if dcaps is not None and dcaps is not self._policy_draft:   # a draft (re)start
+            self._policy_draft = dcaps
+            self.policy.cost.seed_proposes(
+                [(p.tokens, p.seconds) for p in dcaps.propose_cost],
+                [(p.tokens, p.seconds) for p in dcaps.propose_cost_tree])
         return self.policy if self.policy.usable else None
 
     def _rebuild_policy_cost(self, caps: target_pb2.TargetCapabilities) -> None:
@@ -147,6 +154,7 @@ class GatewayState:
         if (curve, tree_curve, padded) != self._policy_curve:
             self._policy_curve = curve, tree_curve, padded
             self.policy.cost = CostModel(curve, tree_curve, padded)
+            self._policy_draft = None               # the new model takes the draft's prior
             if curve:
                 log.info("speculation auto: verify cost curves from the target", extra={
                     "chains_ms": " ".join(f"{t}:{s * 1e3:.2f}" for t, s in curve),

@@ -75,6 +75,11 @@ def test_capabilities(stub, smollm2_dir):
                                             fp.tokenizer_hash)
     assert caps.protocol_version == 1 and caps.model_id == "smol-draft"
     assert caps.lease_seconds == 120
+    # warm-up's Propose cost by appended rows: every point timed, and trees (this drafter
+    # builds them) on their own curve
+    assert [p.tokens for p in caps.propose_cost] == [1, 2, 4, 8, 16]
+    assert [p.tokens for p in caps.propose_cost_tree] == [1, 2, 4]
+    assert all(0 < p.seconds < 5 for p in (*caps.propose_cost, *caps.propose_cost_tree))
 
 
 def _truncated() -> draft_pb2.ProposeRequest:

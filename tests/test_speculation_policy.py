@@ -286,6 +286,24 @@ def test_one_slow_propose_does_not_stop_drafting():
     assert c.propose_s == pytest.approx(0.002)
 
 
+def test_the_draft_s_warm_up_curve_prices_proposes_until_serving_times_them():
+    """DraftCapabilities.propose_cost seeds the Propose line: a steady Propose is priced at
+    the warm-up's engine time from the start (not at the first Propose serving happens to
+    time, which carries the prompt or a backlog), trees on their own line; serving's own
+    Proposes then take over the window, and a second seed (a draft restart's capabilities
+    refetched) does not overwrite them."""
+    c = CostModel([(1, 0.002), (16, 0.003)])
+    c.seed_proposes([(1, 0.020), (4, 0.022), (16, 0.030)], [(1, 0.030), (4, 0.033)])
+    assert c.propose_cost(1) == pytest.approx(0.020, rel=0.05)
+    assert c.propose_cost(16) == pytest.approx(0.030, rel=0.05)
+    assert c.propose_cost(1, tree=True) == pytest.approx(0.030, rel=0.05)
+    for _ in range(40):
+        c.observe_propose(0.010, 2)
+    assert c.propose_cost(2) == pytest.approx(0.010)
+    c.seed_proposes([(1, 0.5)])
+    assert c.propose_cost(2) == pytest.approx(0.010)
+
+
 def test_tree_costs_are_read_as_measured_and_grow_with_rows_past_them():
     """The H200's warm-up: a tree of 7 drafts has no CUDA graph (24 ms), trees of 15 and 63
     have (1.5-1.7 ms). Trees are not forced into a non-decreasing curve (that pooled all three

@@ -16,6 +16,7 @@ from runtime.config import default_model_id
 from services.common import bootstrap, flags, tls
 from services.common.hooks import NO_HOOKS, ServiceHooks
 from services.common.service_flags import add_model_service_flags, check_server_tls
+from services.draft import propose_calibration
 from services.draft import servicer as draft_servicer
 from services.draft.config import DraftConfig
 from services.draft.drafter import DRAFTERS, Drafter, make_drafter
@@ -116,6 +117,7 @@ def service(args: argparse.Namespace, hooks: ServiceHooks) -> bootstrap.ModelSer
         try:
             await engine.on_engine_thread(drafter.calibrate_cpu_gemm)   # --cpu-gemm auto, CPU
             await warmup(engine, drafter, hooks.warmup_delay_s)
+            servicer.propose_cost = await propose_calibration.calibrate(engine, drafter)
         except BaseException:
             engine.stop()
             raise

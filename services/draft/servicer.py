@@ -14,6 +14,7 @@ from services.common.tls import ClientTls
 from services.draft.drafter import DrafterFacts
 from services.draft.engine import DraftEngine, ProposeCall
 from services.draft.planes import AttachedPlanes
+from services.draft.propose_calibration import ProposeCurves
 
 PROTOCOL_VERSION = 1
 SERVICE_NAME = "dflash.v1.Draft"
@@ -29,6 +30,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.engine: DraftEngine | None = None
         self.lease_seconds = lease_seconds
         self.planes = AttachedPlanes(torch.device(device), stream_tls, internal_token)
+        self.propose_cost = ProposeCurves()     # measured at warm-up (propose_calibration.py)
 
     def _ready(self) -> tuple[DrafterFacts, DraftEngine]:
         if self.engine is None or self.stage != "ready":
@@ -40,7 +42,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     async def GetCapabilities(self, request, context) -> draft_pb2.DraftCapabilities:
         facts, _ = self._ready()
         return capabilities(facts, self.lease_seconds, self.planes.transports,
-                            self.engine.drafter.prefix_caching)
+                            self.engine.drafter.prefix_caching, self.propose_cost)
 
     @rpc
     async def AttachPlane(self, request: common_pb2.FeaturePlane, context
@@ -188,7 +190,8 @@ def _chunks(request: draft_pb2.ProposeRequest, facts: DrafterFacts, rows: int,
 
 
 def capabilities(facts: DrafterFacts, lease_seconds: float, transports: Sequence[str] = (),
-                 prefix_caching: bool = False) -> draft_pb2.DraftCapabilities:
+                 prefix_caching: bool = False, propose_cost: ProposeCurves = ProposeCurves()
+                 ) -> draft_pb2.DraftCapabilities:
     t = facts.target
     return draft_pb2.DraftCapabilities(
         protocol_version=PROTOCOL_VERSION, drafter_kind=facts.kind, block_size=facts.block_size,
@@ -200,7 +203,10 @@ def capabilities(facts: DrafterFacts, lease_seconds: float, transports: Sequence
         model_id=facts.model_id, lease_seconds=int(lease_seconds),
         max_tree_nodes=facts.max_tree_nodes,
         feature_transports=list(transports) if facts.needs_features else [],
-        prefix_caching=prefix_caching)
+        prefix_caching=prefix_caching,
+        propose_cost=[common_pb2.CostPoint(tokens=a, seconds=s) for a, s in propose_cost.chains],
+        propose_cost_tree=[common_pb2.CostPoint(tokens=a, seconds=s)
+                           for a, s in propose_cost.trees])
 
 
 def add_to_server(servicer: DraftServicer, server: grpc.aio.Server) -> list[str]:

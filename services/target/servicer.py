@@ -222,9 +222,9 @@ def capabilities(worker: TargetWorker, planes: Sequence[PlaneInfo] = ()
         feature_dtypes=sorted(tensor_codec.WIRE_DTYPES), lease_seconds=int(cfg.lease_seconds),
         max_tree_nodes=worker.max_tree_nodes,
         feature_planes=[p.to_pb() for p in planes],
-        verify_cost=[target_pb2.CostPoint(tokens=p.tokens, seconds=p.seconds)
+        verify_cost=[common_pb2.CostPoint(tokens=p.tokens, seconds=p.seconds)
                      for p in worker.verify_cost.chains],
-        verify_cost_tree=[target_pb2.CostPoint(tokens=p.tokens, seconds=p.seconds)
+        verify_cost_tree=[common_pb2.CostPoint(tokens=p.tokens, seconds=p.seconds)
                           for p in worker.verify_cost.trees],
         verify_padded_blocks=list(worker.padded_blocks), prefix_caching=worker.prefix_caching)
 
