@@ -143,7 +143,7 @@ def _run_latent(specs, nh, lat, rope, page, dtype, trees=None, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn, torch.bfloat16])
-@pytest.mark.parametrize("nh,lat,rope", [(4, 32, 8), (16, 512, 64)])
+@pytest.mark.parametrize("nh,lat,rope", [(4, 32, 8), (4, 24, 12), (16, 512, 64)])
 def test_latent_mla_matches_torch(dtype, nh, lat, rope):
     """Decode steps, verify blocks and prefill chunks over a latent (MLA) cache; fp8 pages with
     per-layer scales folded into the kernel."""

@@ -1,7 +1,11 @@
 """FlashInfer backend (GPU, optional dependency `flashinfer-python`): the batch prefill/append
 wrapper over the paged cache, planned once per forward (per mask variant), run per layer.
 FlashInfer's causal mask is aligned bottom-right, i.e. a query at position prefix+i sees keys
-0..prefix+i - exactly our contract."""
+0..prefix+i - exactly our contract.
+
+MLA (a latent cache, runtime/models/deepseek.py): FlashInfer's MLA wrapper, reading our pages
+in place - the latent and rope parts of each slot as two strided views - with the queries split
+the same way; causal, no trees (the worker verifies trees with the triton backend)."""
 from __future__ import annotations
 
 import torch
@@ -19,6 +23,7 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
+    supports_latent_kv = True
 
     def __init__(self, cache, num_heads, num_kv_heads, head_dim, scale) -> None:
         super().__init__(cache, num_heads, num_kv_heads, head_dim, scale)
@@ -41,6 +46,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         i32 = dict(dtype=torch.int32, device=device)
         self._plan_args = (torch.tensor(cu_q, **i32), torch.tensor(cu_p, **i32),
                            torch.tensor(indices, **i32), torch.tensor(last, **i32))
+        self._kv_lens = torch.tensor(kv_lens, **i32)
         self._planned.clear()
 
     def _wrapper(self, causal: bool, window: int) -> object:
@@ -57,8 +63,34 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._planned.add(key)
         return wrapper
 
+    def _mla_wrapper(self, dtype: torch.dtype) -> object:
+        key = ("mla", 0)
+        if key not in self._wrappers:
+            self._wrappers[key] = flashinfer.mla.BatchMLAPagedAttentionWrapper(self._workspace)
+        wrapper = self._wrappers[key]
+        if key not in self._planned:
+            lat = self.cache.latent_value_dim
+            cu_q, cu_p, indices, _ = self._plan_args
+            wrapper.plan(cu_q, cu_p, indices, self._kv_lens, self.num_heads, lat,
+                         self.head_dim - lat, self.meta.page_size, True, self.scale, dtype,
+                         self.cache.k.dtype)
+            self._planned.add(key)
+        return wrapper
+
+    def _attend_latent(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [T, nh, lat+rope] -> [T, nh, lat] over the layer's latent pages."""
+        ps, lat = self.meta.page_size, self.cache.latent_value_dim
+        pages = self.cache.k[layer].view(-1, ps, self.head_dim)
+        q = q.to(self.cache.k.dtype)
+        return self._mla_wrapper(q.dtype).run(q[..., :lat].contiguous(), q[..., lat:].contiguous(),
+                                              pages[..., :lat], pages[..., lat:])
+
     def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
                ) -> torch.Tensor:
+        if self.cache.latent_value_dim:
+            if not causal or window:
+                raise ValueError("the flashinfer backend runs MLA layers causal, without a window")
+            return self._attend_latent(layer, q)
         ps = self.meta.page_size
         kc = self.cache.k[layer].view(-1, ps, self.num_kv_heads, self.head_dim)
         vc = self.cache.v[layer].view(-1, ps, self.num_kv_heads, self.head_dim)

@@ -32,10 +32,6 @@ def tree_bits(meta: AttentionMetadata) -> torch.Tensor:
                       for q_len, tree in zip(meta.q_lens, meta.tree_masks)])
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 class TritonAttentionBackend(AttentionBackend):
     """Dense K/V caches (paged_block_attention) and MLA's latent cache (paged_mla_attention),
     in the model's dtype or fp8 (pages read as the queries' dtype, scales folded in)."""
@@ -45,15 +41,6 @@ class TritonAttentionBackend(AttentionBackend):
     supports_fp8_kv = True
     BLOCK_N = 32
     MLA_BLOCK_M = 32          # rows (token x head) per program: a [32, kv_lora_rank] fp32 acc
-
-    def __init__(self, cache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
-                 ) -> None:
-        super().__init__(cache, num_heads, num_kv_heads, head_dim, scale)
-        lat = cache.latent_value_dim
-        if lat and not (_pow2(lat) and _pow2(head_dim - lat)):
-            raise ValueError(f"--attention-backend triton runs multi-head latent attention with "
-                             f"power-of-two kv_lora_rank and qk_rope_head_dim; this model has "
-                             f"{lat} and {head_dim - lat} (use --attention-backend torch)")
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
@@ -112,7 +99,9 @@ class TritonAttentionBackend(AttentionBackend):
             tree if tree is not None else self._cu_q,
             q.stride(0), q.stride(1), kc.stride(0), out.stride(0), out.stride(1),
             self._tables.stride(0), tree.stride(0) if tree is not None else 0, scale, out_scale,
-            GROUP=self.num_heads, DL=lat, DR=self.head_dim - lat, PAGE=self.meta.page_size,
+            GROUP=self.num_heads, DL=lat, DR=self.head_dim - lat,
+            DLP=max(16, _next_pow2(lat)), DRP=max(16, _next_pow2(self.head_dim - lat)),
+            PAGE=self.meta.page_size,
             BLOCK_M=self._block_m, BLOCK_N=self.BLOCK_N,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TREE=tree is not None,
         )

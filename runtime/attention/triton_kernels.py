@@ -115,7 +115,8 @@ def paged_mla_attention(
     q, k, out, cu_q, prefix, tables, tree,
     stride_qt, stride_qh, stride_ks, stride_ot, stride_oh, stride_tb, stride_tree,
     scale, out_scale,
-    GROUP: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
+    GROUP: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, DLP: tl.constexpr,
+    DRP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TREE: tl.constexpr,
 ):
     """Multi-head latent attention (weight-absorbed, runtime/models/deepseek.py) over a latent
@@ -124,7 +125,8 @@ def paged_mla_attention(
       q    [T, NH, DL+DR]   queries already in the latent space (W_UK applied), rope part last
       k    [S, 1, DL+DR]    one layer of the latent cache (fp8 pages are read as q's dtype)
       out  [T, NH, DL]      times out_scale (an fp8 cache's scale; its key scale is in `scale`)
-    Causal, as target layers are; TREE as in paged_block_attention. One program = (sequence,
+    DLP, DRP: DL and DR padded to powers of two of at least 16 (what tl.dot takes; the pad is
+    masked). Causal, as target layers are; TREE as in paged_block_attention. One program = (sequence,
     -, block of BLOCK_M rows); row r is new token r // GROUP, head r % GROUP (GROUP = NH: every
     head shares the one latent head, so a decode step of 16 heads fills a 16-row MMA)."""
     b = tl.program_id(0)
@@ -137,24 +139,28 @@ def paged_mla_attention(
     head = rows % GROUP
     row_ok = tok < q_len
     if mblk * BLOCK_M < q_len * GROUP:
-        dl = tl.arange(0, DL)
-        dr = tl.arange(0, DR)
+        dl = tl.arange(0, DLP)
+        dr = tl.arange(0, DRP)
+        lat_ok = dl[None, :] < DL
+        rope_ok = dr[None, :] < DR
         q_row = q + (q_lo + tok)[:, None] * stride_qt + head[:, None] * stride_qh
-        q_lat = tl.load(q_row + dl[None, :], mask=row_ok[:, None], other=0.0)
-        q_rope = tl.load(q_row + DL + dr[None, :], mask=row_ok[:, None], other=0.0)
+        q_lat = tl.load(q_row + dl[None, :], mask=row_ok[:, None] & lat_ok, other=0.0)
+        q_rope = tl.load(q_row + DL + dr[None, :], mask=row_ok[:, None] & rope_ok, other=0.0)
         qpos = pre + tok
         last = tl.minimum(pre + (mblk * BLOCK_M + BLOCK_M - 1) // GROUP + 1, pre + q_len)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, DL], tl.float32)
+        acc = tl.zeros([BLOCK_M, DLP], tl.float32)
         for start in range(0, last, BLOCK_N):
             kpos = start + tl.arange(0, BLOCK_N)
             k_ok = kpos < last
             page = tl.load(tables + b * stride_tb + kpos // PAGE, mask=k_ok, other=0)
             slot = (page * PAGE + kpos % PAGE).to(tl.int64)
             k_row = k + slot[:, None] * stride_ks
-            k_lat = tl.load(k_row + dl[None, :], mask=k_ok[:, None], other=0.0).to(q_lat.dtype)
-            k_rope = tl.load(k_row + DL + dr[None, :], mask=k_ok[:, None], other=0.0).to(q_lat.dtype)
+            k_lat = tl.load(k_row + dl[None, :], mask=k_ok[:, None] & lat_ok,
+                            other=0.0).to(q_lat.dtype)
+            k_rope = tl.load(k_row + DL + dr[None, :], mask=k_ok[:, None] & rope_ok,
+                             other=0.0).to(q_lat.dtype)
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION).to(tl.float32)
             s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION).to(tl.float32)
             s = s * scale
@@ -172,4 +178,4 @@ def paged_mla_attention(
             m_i = m_new
         acc = acc * out_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out + (q_lo + tok)[:, None] * stride_ot + head[:, None] * stride_oh + dl[None, :]
-        tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & lat_ok)

@@ -19,7 +19,7 @@ import torch
 from runtime.attention.base import AttentionBackend
 from runtime.attention.hybrid import HybridAttnBackend, can_commit_mamba_state
 from runtime.attention.metadata import AttentionMetadata, SeqSlice
-from runtime.attention.registry import backend_class
+from runtime.attention.registry import BackendUnavailable, backend_class
 from runtime.config import default_model_id, dtype_name, parse_dtype
 from runtime.kv_cache import KVLayout, KVScales, PagedKVCache
 from runtime.layers.linear import calibrate_cpu_gemm, set_cpu_gemm
@@ -214,13 +214,12 @@ class TargetWorker:
         elif self.hooks.hybrid_wrapper:
             backend = HybridAttnBackend(backend)
         self._attn_backend = backend
-        # trees of drafts: the backend itself where it reads tree masks, else the reference
-        # backend over the same cache (eager); hybrid models verify chains only
+        # trees of drafts: the backend itself where it reads tree masks, else triton on a GPU
+        # (where it is installed) or the reference backend, over the same cache (eager);
+        # hybrid models verify chains only
         self._tree_backend = None
         if not self.facts.hybrid:
-            self._tree_backend = backend if backend.supports_trees else backend_class("torch")(
-                self.kv_cache, layout.num_heads, layout.num_kv_heads, layout.head_dim,
-                layout.scale)
+            self._tree_backend = backend if backend.supports_trees else self._tree_fallback(layout)
         # Decided only now, from the model (does it have mamba layers?) and the backend that
         # exists (can it commit?) - a delegating wrapper alone never makes this True.
         self._need_mamba_verify_commit = self.facts.hybrid and can_commit_mamba_state(backend)
@@ -230,6 +229,17 @@ class TargetWorker:
                         "outputs of this hybrid target are wrong")
         log.info("attention backends built", extra={
             "backend": backend.name, "need_mamba_verify_commit": self._need_mamba_verify_commit})
+
+    def _tree_fallback(self, layout: KVLayout) -> AttentionBackend:
+        names = (["triton"] if self.device.type == "cuda" else []) + ["torch"]
+        for name in names:
+            try:
+                cls = backend_class(name)
+            except BackendUnavailable:
+                continue
+            return cls(self.kv_cache, layout.num_heads, layout.num_kv_heads, layout.head_dim,
+                       layout.scale)
+        raise RuntimeError("no attention backend reads tree masks here")
 
     @property
     def max_tree_nodes(self) -> int:
