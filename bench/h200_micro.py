@@ -166,17 +166,20 @@ def flashinfer_mla_attention(bs: int, ctx: int, block: int, heads: int, lat: int
 
 
 def mla_rows(device: str, rec: Recorder, tiny: bool) -> list[dict]:
-    """Our MLA backends (and FlashInfer's wrapper on a GPU) by heads, verify block and cache
-    dtype: batch 32 at context 4096 (tiny: torch, batch 2 at 64)."""
+    """Our MLA backends (triton, flashinfer: its MLA wrapper on our pages, torch) and FlashInfer's
+    wrapper on its own contiguous layout, by heads, verify block and cache dtype: batch 32 at
+    context 4096 (tiny: torch, batch 2 at 64)."""
     rows = []
     bs, ctx = (2, 64) if tiny else (32, 4096)
-    names = ("torch",) if tiny else ("triton", "torch")
+    names = ("torch",) if tiny else ("triton", "flashinfer", "torch")
     for heads in ((4,) if tiny else (16, 128)):
         for block in (1, 16):
             for kv in (torch.bfloat16, torch.float8_e4m3fn):
                 row = {"heads": heads, "block": block, "kv": str(kv).removeprefix("torch."),
                        "batch": bs, "context": ctx}
                 for name in names:
+                    if name == "flashinfer" and kv != torch.bfloat16:
+                        continue                    # our flashinfer backend: no fp8 cache
                     try:
                         row[f"{name}_ms"] = round(mla_attention(name, device, bs, ctx, block,
                                                                 heads, kv), 4)
@@ -184,10 +187,10 @@ def mla_rows(device: str, rec: Recorder, tiny: bool) -> list[dict]:
                         row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
                 if not tiny and kv == torch.bfloat16:
                     try:
-                        row["flashinfer_ms"] = round(flashinfer_mla_attention(bs, ctx, block,
-                                                                              heads), 4)
+                        row["flashinfer_own_layout_ms"] = round(
+                            flashinfer_mla_attention(bs, ctx, block, heads), 4)
                     except Exception as e:  # noqa: BLE001
-                        row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:300]
+                        row["flashinfer_own_layout_error"] = f"{type(e).__name__}: {e}"[:300]
                 rows.append(row)
                 rec.put("mla_attention", rows)
     return rows
