@@ -31,10 +31,12 @@ FP8_E4M3_MAX = 448.0
 @dataclass(frozen=True)
 class KVLayout:
     """What a model stores per token and attention layer, and how attention reads it.
-    Dense: K and V of head_dim per KV head. MLA (DeepSeek-V2/V3): one latent "head" of
-    head_dim = kv_lora_rank + qk_rope_head_dim in K and no V; the values are the latent's first
-    latent_value_dim (= kv_lora_rank) dims, and attention runs in the weight-absorbed form
-    (queries of head_dim, outputs of latent_value_dim per head)."""
+    Dense: K and V of head_dim per KV head. MLA (DeepSeek-V2/V3): one latent "head" whose key
+    is head_dim = kv_lora_rank + qk_rope_head_dim wide and whose value is its first
+    latent_value_dim (= kv_lora_rank) dims; attention runs in the weight-absorbed form (queries
+    of head_dim, outputs of latent_value_dim per head). The cache keeps such a key in two
+    pools, as FlashInfer's MLA kernels read them: K the latent (also the values), V the rope
+    part."""
     num_layers: int
     num_heads: int               # query heads
     num_kv_heads: int
@@ -63,7 +65,9 @@ class PagedKVCache:
     """K and V for every layer, as flat slot arrays: k[layer] is [num_pages * page_size, nkv, hd].
     Page 0 is reserved as a scratch page (padding writes land there), so usable pages are 1..N-1.
 
-    latent_value_dim > 0 (MLA): no V is stored; values() is a view of the keys' first dims.
+    latent_value_dim > 0 (MLA): a key of head_dim is stored split, its first latent_value_dim
+    dims (the latent, also the values) in k and the rest (the rope key) in v; `gather` joins
+    them again for backends that read whole keys.
     dtype torch.float8_e4m3fn: entries are stored as x / scale (clamped to the format's range) and
     read back as entry * scale (`write`, `dequant`): per-tensor scales per layer (KVScales), from
     the checkpoint's k_scale / v_scale where it has them, else 1.0 (as vLLM and SGLang do)."""
@@ -81,10 +85,11 @@ class PagedKVCache:
         self.latent_value_dim = latent_value_dim
         self.fp8 = dtype == torch.float8_e4m3fn
         self.scales = scales or KVScales.ones(num_layers)
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape[:-1] + ((0 if latent_value_dim else head_dim),),
-                             dtype=dtype, device=device)
+        shape = (num_layers, num_pages * page_size, num_kv_heads)
+        k_dim, v_dim = ((latent_value_dim, head_dim - latent_value_dim) if latent_value_dim
+                        else (head_dim, head_dim))
+        self.k = torch.zeros(shape + (k_dim,), dtype=dtype, device=device)
+        self.v = torch.zeros(shape + (v_dim,), dtype=dtype, device=device)
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
         self._refs = [0] * num_pages    # sequences holding each page
         self.prefix_cache = prefix_cache
@@ -92,7 +97,7 @@ class PagedKVCache:
     @staticmethod
     def bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                        dtype: torch.dtype, latent: bool = False) -> int:
-        """latent (MLA): keys only."""
+        """latent (MLA): keys only (latent and rope parts together)."""
         return (1 if latent else 2) * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
 
     @classmethod
@@ -111,16 +116,27 @@ class PagedKVCache:
 
     # -- contents ------------------------------------------------------------------------------
     def values(self, layer: int) -> torch.Tensor:
-        """The layer's values [slots, nkv, value_dim]: V, or a view of the latent keys (MLA)."""
-        if self.latent_value_dim:
-            return self.k[layer][..., : self.latent_value_dim]
-        return self.v[layer]
+        """The layer's values [slots, nkv, value_dim]: V, or the latent pool (MLA)."""
+        return self.k[layer] if self.latent_value_dim else self.v[layer]
+
+    def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries at slot `index` (any shape) of the layer, not dequantised: (keys [..., nkv,
+        head_dim], values [..., nkv, value_dim]); an MLA key is its two pools joined."""
+        k = self.k[layer][index]
+        if not self.latent_value_dim:
+            return k, self.v[layer][index]
+        return torch.cat([k, self.v[layer][index]], dim=-1), k
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [T, nkv, dim] -> slots [T] of the layer (v ignored when the cache is latent)."""
+        """k, v [T, nkv, dim] -> slots [T] of the layer. Latent (MLA): k [T, 1, head_dim] is
+        split over the two pools and v is not read."""
+        if self.latent_value_dim:
+            lat, scale = self.latent_value_dim, self.scales.k[layer]
+            _index_copy(self.k[layer], slots, self._quantize(k[..., :lat], scale))
+            _index_copy(self.v[layer], slots, self._quantize(k[..., lat:], scale))
+            return
         _index_copy(self.k[layer], slots, self._quantize(k, self.scales.k[layer]))
-        if not self.latent_value_dim:
-            _index_copy(self.v[layer], slots, self._quantize(v, self.scales.v[layer]))
+        _index_copy(self.v[layer], slots, self._quantize(v, self.scales.v[layer]))
 
     def dequant(self, layer: int, entries: torch.Tensor, dtype: torch.dtype, values: bool = False
                 ) -> torch.Tensor:

@@ -50,7 +50,7 @@ def test_flashinfer_mla_in_the_target_worker(tmp_path):
     from dflash.prepare.tiny_mla import make_tiny_mla
     from services.target.config import TargetConfig
     from services.target.worker import TargetWorker
-    path = make_tiny_mla(tmp_path / "mla", 3, kv_lora_rank=64, qk_rope_head_dim=16)
+    path = make_tiny_mla(tmp_path / "mla", 3, kv_lora_rank=512, qk_rope_head_dim=64)
     logits = []
     for name in ("torch", "flashinfer"):
         w = TargetWorker(TargetConfig(str(path), attention_backend=name, dtype="bfloat16",

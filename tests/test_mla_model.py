@@ -58,7 +58,8 @@ def test_logits_match_transformers_in_chunks_and_batches(variant):
     name, path = variant
     ref = hf_logits(path, IDS)
     worker = loaded_worker(path)
-    assert worker.kv_cache.v.shape[-1] == 0            # latent: keys only
+    # latent: one key per token and layer, split as FlashInfer reads it (latent | rope)
+    assert (worker.kv_cache.k.shape[-1], worker.kv_cache.v.shape[-1]) == (32, 8)
     for chunks in ([len(IDS)], [9, 1, 13], [1] * len(IDS)):
         got = chunked_logits(worker, IDS, chunks)
         assert (got - ref).abs().max() < FP32_TOL, (name, chunks)
@@ -158,14 +159,15 @@ def test_fp8_scales_from_the_checkpoint(tmp_path):
     stored = worker.kv_cache.k[:, slots].float()
     # layer 0's latents do not depend on the cache yet: stored exactly as x / 0.5 in fp8
     assert torch.equal(stored[0], (true[0] / 0.5).to(torch.float8_e4m3fn).float())
-    # every layer: written as x / scale, read back (dequant) as entry * scale
+    # every layer: written as x / scale (latent and rope parts alike), read back (dequant) as
+    # entry * scale
     cache, x = worker.kv_cache, torch.randn(2, 1, layout_width(worker))
     for layer, s in ((0, 0.5), (1, 1.0), (2, 2.0)):
         cache.write(layer, slots[:2], x, x)
-        entries = cache.k[layer, slots[:2]]
-        assert torch.equal(entries.float(), (x / s).to(torch.float8_e4m3fn).float()), layer
-        assert torch.equal(cache.dequant(layer, entries, torch.float32),
-                           (x / s).to(torch.float8_e4m3fn).float() * s), layer
+        keys, values = cache.gather(layer, slots[:2])
+        want = (x / s).to(torch.float8_e4m3fn).float()
+        assert torch.equal(keys.float(), want) and torch.equal(values.float(), want[..., :32])
+        assert torch.equal(cache.dequant(layer, keys, torch.float32), want * s), layer
     worker.kv_cache.release(table)
 
 

@@ -3,9 +3,11 @@ wrapper over the paged cache, planned once per forward (per mask variant), run p
 FlashInfer's causal mask is aligned bottom-right, i.e. a query at position prefix+i sees keys
 0..prefix+i - exactly our contract.
 
-MLA (a latent cache, runtime/models/deepseek.py): FlashInfer's MLA wrapper, reading our pages
-in place - the latent and rope parts of each slot as two strided views - with the queries split
-the same way; causal, no trees (the worker verifies trees with the triton backend)."""
+MLA (a latent cache, runtime/models/deepseek.py): FlashInfer's MLA wrapper, reading our two
+pools in place (the latent pool is its ckv cache, the rope pool its kpe cache) with the queries
+split the same way; causal, no trees (the worker verifies trees with the triton backend);
+FlashInfer's MLA kernels are built for kv_lora_rank 512 and qk_rope_head_dim 64 (DeepSeek-V2/V3,
+Kimi-K2): other sizes are refused at start-up."""
 from __future__ import annotations
 
 import torch
@@ -19,6 +21,7 @@ from runtime.attention.base import AttentionBackend
 from runtime.attention.metadata import AttentionMetadata
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+MLA_DIMS = (512, 64)                    # (kv_lora_rank, qk_rope_head_dim) its MLA kernels take
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -29,6 +32,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         super().__init__(cache, num_heads, num_kv_heads, head_dim, scale)
         if cache.k.device.type != "cuda":
             raise ValueError("the flashinfer backend needs --device cuda")
+        lat = cache.latent_value_dim
+        if lat and (lat, head_dim - lat) != MLA_DIMS:
+            raise ValueError(f"--attention-backend flashinfer runs MLA with kv_lora_rank "
+                             f"{MLA_DIMS[0]} and qk_rope_head_dim {MLA_DIMS[1]} only; this model "
+                             f"has {lat} and {head_dim - lat} (use triton or torch)")
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=cache.k.device)
         self._wrappers: dict[tuple[bool, int], object] = {}
         self._planned: set[tuple[bool, int]] = set()
@@ -80,10 +88,11 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _attend_latent(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, nh, lat+rope] -> [T, nh, lat] over the layer's latent pages."""
         ps, lat = self.meta.page_size, self.cache.latent_value_dim
-        pages = self.cache.k[layer].view(-1, ps, self.head_dim)
+        ckv = self.cache.k[layer].view(-1, ps, lat)
+        kpe = self.cache.v[layer].view(-1, ps, self.head_dim - lat)
         q = q.to(self.cache.k.dtype)
         return self._mla_wrapper(q.dtype).run(q[..., :lat].contiguous(), q[..., lat:].contiguous(),
-                                              pages[..., :lat], pages[..., lat:])
+                                              ckv, kpe)
 
     def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
                ) -> torch.Tensor:

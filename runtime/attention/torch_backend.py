@@ -53,18 +53,18 @@ class TorchAttentionBackend(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
                ) -> torch.Tensor:
         meta = self.meta
-        kc, vc = self.cache.k[layer], self.cache.values(layer)
-        self._layer = layer                                     # whose fp8 scales _sdpa applies
+        self._layer = layer                           # whose entries, and fp8 scales, _sdpa reads
         if self._uniform:
-            return self._forward_uniform(q, kc, vc, causal, window)
-        out = q.new_empty(q.shape[:-1] + vc.shape[-1:])
+            return self._forward_uniform(q, causal, window)
+        out = q.new_empty(q.shape[:-1] + self.cache.values(layer).shape[-1:])
         trees = meta.tree_masks or [None] * meta.batch_size
         for i, (prefix, q_len) in enumerate(zip(meta.prefix_lens, meta.q_lens)):
             lo, hi = self._offsets[i], self._offsets[i + 1]
             idx = self._kv_index[i, : prefix + q_len]
             mask = (self._mask(prefix, q_len, causal, window) if trees[i] is None
                     else self._tree_mask(i, prefix, window))
-            out[lo:hi] = self._sdpa(q[None, lo:hi], kc[idx][None], vc[idx][None], mask)[0]
+            kb, vb = self.cache.gather(layer, idx)
+            out[lo:hi] = self._sdpa(q[None, lo:hi], kb[None], vb[None], mask)[0]
         return out
 
     def _tree_mask(self, i: int, prefix: int, window: int | None) -> torch.Tensor:
@@ -74,13 +74,13 @@ class TorchAttentionBackend(AttentionBackend):
             self._tree_masks[(i, window)] = mask.to(self.meta.page_tables.device)
         return self._tree_masks[(i, window)]
 
-    def _forward_uniform(self, q, kc, vc, causal, window) -> torch.Tensor:
+    def _forward_uniform(self, q, causal, window) -> torch.Tensor:
         meta = self.meta
         bs, q_len, prefix = meta.batch_size, meta.q_lens[0], meta.prefix_lens[0]
         qb = q.view(bs, q_len, self.num_heads, q.shape[-1])
-        kb, vb = kc[self._kv_index], vc[self._kv_index]                          # [bs, kv, nkv, hd]
+        kb, vb = self.cache.gather(self._layer, self._kv_index)                 # [bs, kv, nkv, hd]
         mask = self._mask(prefix, q_len, causal, window)
-        return self._sdpa(qb, kb, vb, mask).reshape(-1, self.num_heads, vc.shape[-1])
+        return self._sdpa(qb, kb, vb, mask).reshape(-1, self.num_heads, vb.shape[-1])
 
     def _sdpa(self, q, k, v, mask) -> torch.Tensor:
         """q [b, q, nh, hd], k [b, kv, nkv, hd], v [b, kv, nkv, vd] -> [b, q, nh, vd]."""

@@ -42,6 +42,14 @@ class TritonAttentionBackend(AttentionBackend):
     BLOCK_N = 32
     MLA_BLOCK_M = 32          # rows (token x head) per program: a [32, kv_lora_rank] fp32 acc
 
+    def __init__(self, cache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+                 ) -> None:
+        super().__init__(cache, num_heads, num_kv_heads, head_dim, scale)
+        if cache.latent_value_dim and cache.fp8 and cache.latent_value_dim % 16:
+            raise ValueError(f"--attention-backend triton reads an fp8 MLA cache with a "
+                             f"kv_lora_rank that is a multiple of 16; this model has "
+                             f"{cache.latent_value_dim} (use --kv-cache-dtype auto or torch)")
+
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
         device = meta.page_tables.device
@@ -75,7 +83,7 @@ class TritonAttentionBackend(AttentionBackend):
         q = q.contiguous()
         k_scale, v_scale = self.cache.layer_scales(layer)
         if self.cache.latent_value_dim:
-            return self._attend_latent(q, kc, tree, self.scale * k_scale, v_scale)
+            return self._attend_latent(q, kc, vc, tree, self.scale * k_scale, v_scale)
         out = torch.empty_like(q)
         paged_block_attention[self._grid](
             q, kc, vc, out, self._cu_q, self._prefix, self._tables,
@@ -89,15 +97,16 @@ class TritonAttentionBackend(AttentionBackend):
         )
         return out
 
-    def _attend_latent(self, q: torch.Tensor, kc: torch.Tensor, tree: torch.Tensor | None,
-                       scale: float, out_scale: float) -> torch.Tensor:
-        """q [T, nh, lat+rope] over the latent cache kc [S, 1, lat+rope] -> [T, nh, lat]."""
+    def _attend_latent(self, q: torch.Tensor, kc: torch.Tensor, rc: torch.Tensor,
+                       tree: torch.Tensor | None, scale: float, out_scale: float) -> torch.Tensor:
+        """q [T, nh, lat+rope] over the latent pool kc [S, 1, lat] and the rope pool rc
+        [S, 1, rope] -> [T, nh, lat]."""
         lat = self.cache.latent_value_dim
         out = q.new_empty(q.shape[0], self.num_heads, lat)
         paged_mla_attention[self._grid](
-            q, kc, out, self._cu_q, self._prefix, self._tables,
+            q, kc, rc, out, self._cu_q, self._prefix, self._tables,
             tree if tree is not None else self._cu_q,
-            q.stride(0), q.stride(1), kc.stride(0), out.stride(0), out.stride(1),
+            q.stride(0), q.stride(1), kc.stride(0), rc.stride(0), out.stride(0), out.stride(1),
             self._tables.stride(0), tree.stride(0) if tree is not None else 0, scale, out_scale,
             GROUP=self.num_heads, DL=lat, DR=self.head_dim - lat,
             DLP=max(16, _next_pow2(lat)), DRP=max(16, _next_pow2(self.head_dim - lat)),

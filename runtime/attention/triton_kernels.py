@@ -112,18 +112,19 @@ def paged_block_attention(
 
 @triton.jit
 def paged_mla_attention(
-    q, k, out, cu_q, prefix, tables, tree,
-    stride_qt, stride_qh, stride_ks, stride_ot, stride_oh, stride_tb, stride_tree,
+    q, k, kr, out, cu_q, prefix, tables, tree,
+    stride_qt, stride_qh, stride_ks, stride_rs, stride_ot, stride_oh, stride_tb, stride_tree,
     scale, out_scale,
     GROUP: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, DLP: tl.constexpr,
     DRP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TREE: tl.constexpr,
 ):
     """Multi-head latent attention (weight-absorbed, runtime/models/deepseek.py) over a latent
-    cache: one KV "head" per token, [DL latent | DR rope key]; the values are the latent.
+    cache: one KV "head" per token, its key [DL latent | DR rope key]; the values are the latent.
 
       q    [T, NH, DL+DR]   queries already in the latent space (W_UK applied), rope part last
-      k    [S, 1, DL+DR]    one layer of the latent cache (fp8 pages are read as q's dtype)
+      k    [S, 1, DL]       one layer's latent pool, kr [S, 1, DR] its rope pool (fp8 pages
+                            are read as q's dtype)
       out  [T, NH, DL]      times out_scale (an fp8 cache's scale; its key scale is in `scale`)
     DLP, DRP: DL and DR padded to powers of two of at least 16 (what tl.dot takes; the pad is
     masked). Causal, as target layers are; TREE as in paged_block_attention. One program = (sequence,
@@ -156,11 +157,10 @@ def paged_mla_attention(
             k_ok = kpos < last
             page = tl.load(tables + b * stride_tb + kpos // PAGE, mask=k_ok, other=0)
             slot = (page * PAGE + kpos % PAGE).to(tl.int64)
-            k_row = k + slot[:, None] * stride_ks
-            k_lat = tl.load(k_row + dl[None, :], mask=k_ok[:, None] & lat_ok,
-                            other=0.0).to(q_lat.dtype)
-            k_rope = tl.load(k_row + DL + dr[None, :], mask=k_ok[:, None] & rope_ok,
-                             other=0.0).to(q_lat.dtype)
+            k_lat = tl.load(k + slot[:, None] * stride_ks + dl[None, :],
+                            mask=k_ok[:, None] & lat_ok, other=0.0).to(q_lat.dtype)
+            k_rope = tl.load(kr + slot[:, None] * stride_rs + dr[None, :],
+                             mask=k_ok[:, None] & rope_ok, other=0.0).to(q_lat.dtype)
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION).to(tl.float32)
             s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION).to(tl.float32)
             s = s * scale
