@@ -475,6 +475,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the target's shape (random weights): deepseek-v2-lite is MLA + MoE "
                          "(parts ar and services)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="the target's: auto | fp8_e4m3")
+    ap.add_argument("--attention-backend", default="triton", help="on a GPU: triton | flashinfer")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--transformers-budget-s", type=float, default=240)
@@ -496,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     tiny_outputs(args, ap, "gpu_side_by_side", ("out",))
     args.device = "cpu" if args.tiny else "cuda"
     args.dtype = "float32" if args.tiny else "bfloat16"
-    args.backend = "torch" if args.tiny else "triton"
+    args.backend = "torch" if args.tiny else args.attention_backend
     args.target_kv = "64MiB" if args.tiny else "40GiB"
     args.draft_kv = "32MiB" if args.tiny else "6GiB"
     out = Path(args.out)
