@@ -115,8 +115,8 @@ class DraftLink:
         computes features from there on). 0 when it has none, needs no features, or fails
         (then its first Propose sends everything, as without the cache)."""
         if (not self.keeps_context or spec.draft is None or not spec.draft.prefix_caching
-                or not self.capture_layers):
-            return 0
+                or not self.capture_layers or len(prompt) <= spec.draft.page_size):
+            return 0                    # (a prompt within one page has no cached prefix)
         self.touched = True             # before the call: a request cancelled while it is in
         try:                            # flight still Releases what the draft opened
             resp = await self.gw.draft.call(

@@ -177,6 +177,25 @@ def test_openai_usage_reports_cached_tokens(on, tok):
     assert again.usage.prompt_tokens == first.usage.prompt_tokens
 
 
+def test_prompts_within_a_page_skip_the_draft_s_open_sequence(on, off):
+    """A prompt of at most one page (8 tokens here) can have no cached prefix: the gateway
+    does not ask the draft (one round trip less before the Prefill); a longer one does. The
+    output is the cache-off stack's either way."""
+    def opens() -> float:
+        return prom.value(on.draft_metrics, "dflash_rpc_requests_total", method="OpenSequence",
+                          code="OK") or 0.0
+    gw = on.gateways["chain"]
+    before = opens()
+    short, _, _ = gw.generate([1, 2, 3, 4, 5, 6, 7, 8], 6)
+    assert opens() == before
+    long_prompt = list(range(100, 120))
+    longer, _, _ = gw.generate(long_prompt, 6)
+    assert opens() == before + 1
+    off_gw = off.gateways["chain"]
+    assert (short, longer) == (off_gw.generate([1, 2, 3, 4, 5, 6, 7, 8], 6)[0],
+                               off_gw.generate(long_prompt, 6)[0])
+
+
 def test_requests_sharing_a_prefix_at_once_and_the_pools_after(on, off, tok):
     """Six requests behind the same system prompt arrive together (no page of it cached yet
     for some of them, shared pages for others): each equals the stack without the cache; then

@@ -42,7 +42,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     async def GetCapabilities(self, request, context) -> draft_pb2.DraftCapabilities:
         facts, _ = self._ready()
         return capabilities(facts, self.lease_seconds, self.planes.transports,
-                            self.engine.drafter.prefix_caching, self.propose_cost)
+                            self.engine.drafter.prefix_caching, self.propose_cost,
+                            self.engine.drafter.config.page_size)
 
     @rpc
     async def AttachPlane(self, request: common_pb2.FeaturePlane, context
@@ -190,8 +191,8 @@ def _chunks(request: draft_pb2.ProposeRequest, facts: DrafterFacts, rows: int,
 
 
 def capabilities(facts: DrafterFacts, lease_seconds: float, transports: Sequence[str] = (),
-                 prefix_caching: bool = False, propose_cost: ProposeCurves = ProposeCurves()
-                 ) -> draft_pb2.DraftCapabilities:
+                 prefix_caching: bool = False, propose_cost: ProposeCurves = ProposeCurves(),
+                 page_size: int = 0) -> draft_pb2.DraftCapabilities:
     t = facts.target
     return draft_pb2.DraftCapabilities(
         protocol_version=PROTOCOL_VERSION, drafter_kind=facts.kind, block_size=facts.block_size,
@@ -203,7 +204,7 @@ def capabilities(facts: DrafterFacts, lease_seconds: float, transports: Sequence
         model_id=facts.model_id, lease_seconds=int(lease_seconds),
         max_tree_nodes=facts.max_tree_nodes,
         feature_transports=list(transports) if facts.needs_features else [],
-        prefix_caching=prefix_caching,
+        prefix_caching=prefix_caching, page_size=page_size,
         propose_cost=[common_pb2.CostPoint(tokens=a, seconds=s) for a, s in propose_cost.chains],
         propose_cost_tree=[common_pb2.CostPoint(tokens=a, seconds=s)
                            for a, s in propose_cost.trees])
