@@ -177,6 +177,34 @@ def test_openai_usage_reports_cached_tokens(on, tok):
     assert again.usage.prompt_tokens == first.usage.prompt_tokens
 
 
+def test_restarted_services_start_with_empty_caches_and_stay_exact(smollm2_dir, logs, off,
+                                                                    tok):
+    """The caches are soft state: after the target and the draft restart (SIGTERM, then the
+    same flags and ports), the next turn finds nothing cached (0 cached tokens) and the one
+    after finds its predecessor again; every turn equals the cache-off stack's."""
+    from support.reliability import restart
+    (logs / "restart").mkdir(exist_ok=True)
+    stack = Stack(smollm2_dir, logs / "restart", "--page-size", "8", gateways=CHAIN)
+    try:
+        gw = stack.gateways["chain"]
+        messages: list[dict] = []
+        outputs, cached = [], []
+        for i, text in enumerate(CONVERSATIONS[0]):
+            if i == 1:
+                for role in ("target", "draft"):
+                    old = getattr(stack, role)
+                    assert old.stop() == 0
+                    setattr(stack, role, restart(old, logs / f"restarted-{role}").wait_serving())
+                wait_until(lambda: gw.readiness()[0] == 200, timeout=120, what="gateway ready")
+            _, output, usage = turn(gw, tok, messages, text)
+            outputs.append(output)
+            cached.append(usage.cached_tokens)
+        assert cached[1] == 0 and cached[2] > 0, cached
+        assert outputs == [o for _, o, _ in chat(off.gateways["chain"], tok, CONVERSATIONS[0])]
+    finally:
+        stack.stop()
+
+
 def test_prompts_within_a_page_skip_the_draft_s_open_sequence(on, off):
     """A prompt of at most one page (8 tokens here) can have no cached prefix: the gateway
     does not ask the draft (one round trip less before the Prefill); a longer one does. The
