@@ -29,7 +29,7 @@ from torch import nn
 from runtime.config import ModelConfig, yarn_mscale
 from runtime.kv_cache import KVLayout
 from runtime.layers.linear import Linear
-from runtime.layers.mlp import GatedMLP
+from runtime.layers.mlp import GatedMLP, silu_and_mul
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rope import RotaryEmbedding
 from runtime.models.dense import DecoderLayer, DenseDecoder
@@ -240,7 +240,13 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     """Routed experts (each a SwiGLU MLP; checkpoint names experts.N.{gate,up,down}_proj) plus
-    the shared experts (one SwiGLU of n_shared_experts x moe_intermediate_size)."""
+    the shared experts (one SwiGLU of n_shared_experts x moe_intermediate_size).
+
+    The experts' weights live in two stacked tensors ([E, 2I, H] and [E, H, I], built once the
+    model is materialised: init_buffers); each expert's parameters are views into them, so the
+    checkpoint fills both. Two forwards: the reference loop (each expert on its own tokens, in
+    id order, as transformers sums them; the CPU) and one grouped GEMM per projection over the
+    tokens sorted by expert (torch._grouped_mm, no host sync; CUDA, or `grouped=True`)."""
 
     def __init__(self, cfg: MLAConfig) -> None:
         super().__init__()
@@ -249,17 +255,52 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(GatedMLP(h, inter) for _ in range(cfg.n_routed_experts))
         self.shared_experts = (GatedMLP(h, inter * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
+        self.grouped: bool | None = None            # None: grouped on CUDA, the loop elsewhere
+        self._w13: torch.Tensor | None = None
+        self._w2: torch.Tensor | None = None
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Stack the experts' weights and make each expert's parameters views into the stacks
+        (after materialisation, before the weights are loaded)."""
+        if self.experts[0].down_proj.weight.device.type == "meta":
+            return
+        self._w13 = torch.stack([e.gate_up_proj.weight.data for e in self.experts])
+        self._w2 = torch.stack([e.down_proj.weight.data for e in self.experts])
+        for i, e in enumerate(self.experts):
+            e.gate_up_proj.weight.data = self._w13[i]
+            e.down_proj.weight.data = self._w2[i]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]. Experts in id order, each on its own tokens (as transformers
-        sums them, so fp32 results match it closely)."""
+        """x [T, H] -> [T, H]."""
         weights, ids = self.gate(x)
+        grouped = x.is_cuda if self.grouped is None else self.grouped
+        out = self._grouped(x, weights, ids) if grouped else self._loop(x, weights, ids)
+        return out + self.shared_experts(x) if self.shared_experts is not None else out
+
+    def _loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Experts in id order, each on its own tokens (as transformers sums them, so fp32
+        results match it closely)."""
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
             y = self.experts[e](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(x.dtype))
-        return out + self.shared_experts(x) if self.shared_experts is not None else out
+        return out
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The T*k (token, expert) pairs sorted by expert; one grouped GEMM per projection
+        (offsets: each expert's end in the sorted rows); no host sync."""
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(len(self.experts), dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
+        token = order // k
+        h = torch._grouped_mm(x[token], self._w13.transpose(-2, -1), offs=offs)
+        y = torch._grouped_mm(silu_and_mul(h), self._w2.transpose(-2, -1), offs=offs)
+        y = y * weights.flatten()[order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
 class DeepseekDecoder(DenseDecoder):
