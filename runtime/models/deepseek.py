@@ -317,8 +317,8 @@ class DeepseekDecoder(DenseDecoder):
 
     @property
     def graph_capturable(self) -> bool:
-        """MoE layers run the experts their tokens chose (a host sync): no CUDA graphs. A
-        grouped-GEMM kernel with static shapes would lift this."""
+        """No CUDA graphs for models with MoE layers yet: their grouped path has no host sync,
+        but its capture has not been checked on a GPU (the reference loop syncs)."""
         return not any(self.mla_cfg.is_moe(i) for i in range(self.cfg.num_layers))
 
     @property

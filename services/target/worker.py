@@ -292,8 +292,7 @@ class TargetWorker:
                 or not hasattr(backend, "bind")):
             return
         if not getattr(self.model, "graph_capturable", True):
-            log.info("cuda graphs off: this model's forward cannot be captured (its mixture of "
-                     "experts picks the experts to run on the host)")
+            log.info("cuda graphs off: this model's mixture-of-experts layers run eagerly")
             return
         from runtime.cuda_graphs import GraphRunner
         model = self.model
