@@ -111,6 +111,31 @@ def paged_block_attention(
 
 
 @triton.jit
+def _latent_scores(q_lat, q_rope, k, kr, slot, k_ok, lat_ok, rope_ok, dl, dr, stride_ks,
+                   stride_rs, PRECISION: tl.constexpr):
+    """A tile of keys of the latent cache: scores [rows, keys] = latent part + rope part (the
+    two pools' rows at `slot`, read as the queries' dtype), and the latent tile (the values)."""
+    k_lat = tl.load(k + slot[:, None] * stride_ks + dl[None, :],
+                    mask=k_ok[:, None] & lat_ok, other=0.0).to(q_lat.dtype)
+    k_rope = tl.load(kr + slot[:, None] * stride_rs + dr[None, :],
+                     mask=k_ok[:, None] & rope_ok, other=0.0).to(q_lat.dtype)
+    s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION).to(tl.float32)
+    s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION).to(tl.float32)
+    return s, k_lat
+
+
+# Multi-head latent attention (weight-absorbed, runtime/models/deepseek.py) over a latent
+# cache: one KV "head" per token, its key [DL latent | DR rope key]; the values are the latent.
+#
+#   q    [T, NH, DL+DR]   queries already in the latent space (W_UK applied), rope part last
+#   k    [S, 1, DL]       one layer's latent pool, kr [S, 1, DR] its rope pool (fp8 pages
+#                         are read as q's dtype)
+#   out  [T, NH, DL]      times out_scale (an fp8 cache's scale; its key scale is in `scale`)
+# DLP, DRP: DL and DR padded to powers of two of at least 16 (what tl.dot takes; the pad is
+# masked). Causal, as target layers are; TREE as in paged_block_attention. One program = (sequence,
+# -, block of BLOCK_M rows); row r is new token r // GROUP, head r % GROUP (GROUP = NH: every
+# head shares the one latent head, so a decode step of 16 heads fills a 16-row MMA).
+@triton.jit
 def paged_mla_attention(
     q, k, kr, out, cu_q, prefix, tables, tree,
     stride_qt, stride_qh, stride_ks, stride_rs, stride_ot, stride_oh, stride_tb, stride_tree,
@@ -119,17 +144,7 @@ def paged_mla_attention(
     DRP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TREE: tl.constexpr,
 ):
-    """Multi-head latent attention (weight-absorbed, runtime/models/deepseek.py) over a latent
-    cache: one KV "head" per token, its key [DL latent | DR rope key]; the values are the latent.
-
-      q    [T, NH, DL+DR]   queries already in the latent space (W_UK applied), rope part last
-      k    [S, 1, DL]       one layer's latent pool, kr [S, 1, DR] its rope pool (fp8 pages
-                            are read as q's dtype)
-      out  [T, NH, DL]      times out_scale (an fp8 cache's scale; its key scale is in `scale`)
-    DLP, DRP: DL and DR padded to powers of two of at least 16 (what tl.dot takes; the pad is
-    masked). Causal, as target layers are; TREE as in paged_block_attention. One program = (sequence,
-    -, block of BLOCK_M rows); row r is new token r // GROUP, head r % GROUP (GROUP = NH: every
-    head shares the one latent head, so a decode step of 16 heads fills a 16-row MMA)."""
+    """MLA over a latent cache: see the comment above."""
     b = tl.program_id(0)
     mblk = tl.program_id(2)
     q_lo = tl.load(cu_q + b)
@@ -157,12 +172,8 @@ def paged_mla_attention(
             k_ok = kpos < last
             page = tl.load(tables + b * stride_tb + kpos // PAGE, mask=k_ok, other=0)
             slot = (page * PAGE + kpos % PAGE).to(tl.int64)
-            k_lat = tl.load(k + slot[:, None] * stride_ks + dl[None, :],
-                            mask=k_ok[:, None] & lat_ok, other=0.0).to(q_lat.dtype)
-            k_rope = tl.load(kr + slot[:, None] * stride_rs + dr[None, :],
-                             mask=k_ok[:, None] & rope_ok, other=0.0).to(q_lat.dtype)
-            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION).to(tl.float32)
-            s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION).to(tl.float32)
+            s, k_lat = _latent_scores(q_lat, q_rope, k, kr, slot, k_ok, lat_ok, rope_ok, dl, dr,
+                                      stride_ks, stride_rs, PRECISION)
             s = s * scale
             ok = k_ok[None, :] & row_ok[:, None] & (kpos[None, :] <= qpos[:, None])
             if TREE:
