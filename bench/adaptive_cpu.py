@@ -235,18 +235,22 @@ def markdown(r: dict) -> str:
     return "\n".join(lines + ["", notes]) + "\n"
 
 
-NOTES = """Reading it (commit 742d993): speculation barely pays on this host at this time (the best
-fixed shape, chain 2, is 6 % above autoregressive at 1 request; autoregressive is best from 2
-on), and auto mostly does not draft (its histogram: no drafting in about 97 % of steps, trees of
-7 in the rest - its exploration, one step in 32 at the runner-up). It ends 0.96-0.97x the best
-at 2-8 requests (>= 0.95, but below autoregressive by the exploration's cost) and 0.91x at 1
-request: no level meets both goals. Earlier runs of this session, same command:
-`bench/results/archive/adaptive_cpu_session29_e90d55e.json` (exploration, and serving's first
-run always replacing a warm-up point) 0.89, 0.96, 0.81, 0.97; the first (one shape per batch,
-no exploration) 0.78, 1.02, 1.01, 0.93 - a spread between runs of this host larger than the
-differences the goal asks about (autoregressive at 1 request: 19.1 to 29.5 tokens/s between
-runs). Start-up: the target's verify cost calibration is bounded by `--cost-calibration-s`
-(default 1.5 s), on top of the CPU GEMM calibration (1.2-1.3 s on this EPYC)."""
+NOTES = """Reading it (commit e31774b, with the draft's warm-up Propose curve): auto is 0.88,
+1.01, 0.95, 0.89x the best fixed shape and 0.99, 1.01, 0.95, 0.89x autoregressive at 1, 2, 4, 8
+requests: both goals met at 2 only. At 1 request chain 2 is best (30.4 against 27.1 tokens/s
+autoregressive) and auto drafted in about 1 % of its steps (its histogram: 359 steps verifying
+1.1 tokens on average, 3 trees); from 2 on autoregressive is the best configuration and auto
+hardly drafts (97-98 % of its steps verify the anchor alone), yet it runs 5-11 % below the
+autoregressive stack at 4 and 8: a stack with a draft still pays for the draft on steps that do
+not draft (the target captures the drafter's features on every verify, and they travel and wait
+as the backlog the next Propose appends), which the stack without a draft does not. Never below
+autoregressive needs auto to stop that capture while it does not draft (and rebuild the draft's
+context from the target when it drafts again): next session. Earlier runs, same command: a2d1727
+0.89, 0.97, 0.83, 0.91; 742d993 0.91, 0.96, 0.96, 0.97 (`bench/results/archive/`); autoregressive
+alone has varied 19-30 tokens/s at 1 request between runs of this host. Start-up: the target's
+verify cost calibration is bounded by `--cost-calibration-s` (default 1.5 s), on top of the CPU
+GEMM calibration (1.2-1.3 s on this EPYC); the draft's Propose curve adds 0.4 s (steady Proposes
+of the shipped drafter: 19-21 ms for chains, 21-22 ms for trees of 15)."""
 
 
 GPU_NOTES = """Reading it: a miss, and worse than the first GPU run (0.88, 0.85, 0.91, 1.06, 0.73,
