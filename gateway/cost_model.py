@@ -15,8 +15,8 @@
   past the last point; trees as measured, and past their last point at chain rates.
 - propose(appended): a Propose round trip as the gateway waits for it, by the context rows it
   appends (a robust line through the last few: Theil-Sen), starting from the draft's warm-up
-  curve (DraftCapabilities.propose_cost: its engine time for a steady-state Propose). A step that drafts every time
-  appends what the last one committed; one after a stretch without drafting appends the whole
+  curve (DraftCapabilities.propose_cost: its engine time for a steady-state Propose). A step
+  that drafts every time appends what the last one committed; one after a stretch without drafting appends the whole
   backlog, and the first one the prompt: pricing every Propose at what one of those cost had
   kept a CPU that rarely drafts from ever trying the steady state (chains of 2 beat not
   drafting at one request on the EPYC, which auto never found). Tree Proposes have their own

@@ -3,13 +3,12 @@ initialised tiny DeepSeek-V2 or V3 (multi-head latent attention + mixture of exp
 in HF format, written by transformers (test-time dependency only). With --vocab-from it takes
 that directory's tokenizer, vocabulary size and bos/eos ids (the gateway can then serve it).
 
-`--shape deepseek-v2-lite` writes only the config.json of DeepSeek-V2-Lite's shape (27 layers,
-hidden 2048, 16 heads, kv_lora_rank 512, 64 routed experts): for benchmarks with random weights
-(the harness's --random-weights), no weights are written."""
+DEEPSEEK_V2_LITE is DeepSeek-V2-Lite's config (27 layers, hidden 2048, 16 heads, kv_lora_rank
+512, 64 routed experts), the shape `bench.gpu_side_by_side --shape deepseek-v2-lite` serves with
+random weights."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,6 @@ DEEPSEEK_V2_LITE: dict[str, Any] = {
                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
     "bos_token_id": 100000, "eos_token_id": 100001, "tie_word_embeddings": False,
     "dtype": "bfloat16"}
-SHAPES = {"deepseek-v2-lite": DEEPSEEK_V2_LITE}
 
 
 def make_tiny_mla(out_dir: str | Path, version: int = 3, vocab_from: str | Path | None = None,
@@ -86,18 +84,6 @@ def make_tiny_mla(out_dir: str | Path, version: int = 3, vocab_from: str | Path 
     return out
 
 
-def write_shape(out_dir: str | Path, shape: str, vocab_from: str | Path | None = None) -> Path:
-    """config.json of a named shape (random-weight benchmarks), with vocab_from's tokenizer."""
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({**SHAPES[shape], **vocab_fields(vocab_from)},
-                                                indent=1))
-    copy_tokenizer(vocab_from, out)
-    return out
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m dflash.prepare.tiny_mla", description=__doc__)
     p.add_argument("out_dir")
@@ -105,11 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab-from", default=None, help="model directory whose tokenizer to copy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--active-vocab", default="", help="LO:HI - the LM head scores only these ids")
-    p.add_argument("--shape", default="", help=f"config only, of a named shape: {sorted(SHAPES)}")
     args = p.parse_args(argv)
-    if args.shape:
-        print(write_shape(args.out_dir, args.shape, args.vocab_from))
-        return
     active = tuple(int(v) for v in args.active_vocab.split(":")) if args.active_vocab else None
     print(make_tiny_mla(args.out_dir, args.version, args.vocab_from, args.seed, active))
 

@@ -19,8 +19,8 @@ class AttentionBackend(ABC):
 
     name: str = "base"
     supports_trees: bool = False     # reads meta.tree_masks (a verified tree of drafts)
-    supports_latent_kv: bool = False  # MLA: keys-only latent cache, value width != key width
-    supports_fp8_kv: bool = False     # float8_e4m3fn pages with a per-tensor scale
+    supports_latent_kv: bool = False  # MLA: a latent cache (KVLayout.latent_value_dim)
+    supports_fp8_kv: bool = False     # float8_e4m3fn pages with per-layer scales (KVScales)
 
     def __init__(self, cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float) -> None:

@@ -246,7 +246,7 @@ class MoE(nn.Module):
     model is materialised: init_buffers); each expert's parameters are views into them, so the
     checkpoint fills both. Two forwards: the reference loop (each expert on its own tokens, in
     id order, as transformers sums them; the CPU) and one grouped GEMM per projection over the
-    tokens sorted by expert (torch._grouped_mm, no host sync; CUDA, or `grouped=True`)."""
+    tokens sorted by expert (torch._grouped_mm, no host sync; CUDA)."""
 
     def __init__(self, cfg: MLAConfig) -> None:
         super().__init__()
@@ -255,7 +255,6 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(GatedMLP(h, inter) for _ in range(cfg.n_routed_experts))
         self.shared_experts = (GatedMLP(h, inter * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
-        self.grouped: bool | None = None            # None: grouped on CUDA, the loop elsewhere
         self._w13: torch.Tensor | None = None
         self._w2: torch.Tensor | None = None
 
@@ -273,8 +272,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         weights, ids = self.gate(x)
-        grouped = x.is_cuda if self.grouped is None else self.grouped
-        out = self._grouped(x, weights, ids) if grouped else self._loop(x, weights, ids)
+        out = self._grouped(x, weights, ids) if x.is_cuda else self._loop(x, weights, ids)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
     def _loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               "go in messages)")
     flags.add(p, "--kv-cache-dtype", "auto", str, "auto | fp8_e4m3: KV pages in the model's dtype, "
               "or float8 e4m3 with per-layer scales from the checkpoint's k_scale / v_scale "
-              "(else 1.0): half the bytes of bf16 (attention backends: torch)")
+              "(else 1.0): half the bytes of bf16 (attention backends: torch, triton)")
     flags.add(p, "--prefix-state-checkpoints", 16, int, "hybrid models with prefix caching: "
               "recurrent states kept at page boundaries of cached prefixes (each the size of "
               "one sequence's state, within --kv-budget); 0 = none, prefix caching off for them")

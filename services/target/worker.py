@@ -161,7 +161,7 @@ class TargetWorker:
         ids = getattr(self.model, "attention_layer_ids", range(layout.num_layers))
         found = {} if self.hooks.random_weights else read_kv_scales(self.config.model_dir)
         k = tuple(found.get((i, "k"), 1.0) for i in ids)
-        v = tuple(found.get((i, "v"), found.get((i, "k"), 1.0)) for i in ids)
+        v = tuple(found.get((i, "v"), 1.0) for i in ids)
         log.info("fp8 KV cache scales: %s", "from the checkpoint" if found else
                  "1.0 for every layer (the checkpoint has no k_scale / v_scale)")
         return KVScales(k, v)
