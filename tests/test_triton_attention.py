@@ -15,10 +15,34 @@ from runtime.kv_cache import PagedKVCache, PageTable  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _batch(cache: PagedKVCache, specs, trees=None, causal: bool = True) -> AttentionMetadata:
+    """specs: [(prefix_len, q_len)] per sequence, each given fresh pages; trees: per sequence
+    a tree mask or None. The forward's metadata."""
+    trees = trees or [None] * len(specs)
+    tables = []
+    for p, q in specs:
+        t = PageTable()
+        cache.ensure(t, p + q)
+        tables.append(t)
+    return AttentionMetadata.build(
+        [SeqSlice(t, p, q, tree) for t, (p, q), tree in zip(tables, specs, trees)], cache,
+        causal=causal, device=DEVICE)
+
+
+def _torch_and_triton(cache: PagedKVCache, meta: AttentionMetadata, nh: int, nkv: int, hd: int,
+                      scale: float, layer: int, q, k, v) -> list[torch.Tensor]:
+    """The same forward of both backends over one cache (fp32 on the host)."""
+    outs = []
+    for cls in (TorchAttentionBackend, TritonAttentionBackend):
+        backend = cls(cache, nh, nkv, hd, scale)
+        backend.prepare(meta)
+        outs.append(backend.forward(layer, q, k, v).float().cpu())
+    return outs
+
+
 def _run_both(specs, nh, nkv, hd, page, causal, window, dtype=torch.float32, seed=0, trees=None):
     """specs: [(prefix_len, q_len)] per sequence; trees: per sequence a tree mask or None.
     Returns (torch_out, triton_out, cache_equal)."""
-    trees = trees or [None] * len(specs)
     g = torch.Generator().manual_seed(seed)
     pages = sum(-(-(p + q) // page) for p, q in specs) + 2
     outs, caches = [], []
@@ -26,14 +50,7 @@ def _run_both(specs, nh, nkv, hd, page, causal, window, dtype=torch.float32, see
         cache = PagedKVCache(1, nkv, hd, page, pages, dtype, DEVICE)
         cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(dtype))
         cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(dtype))
-        tables = []
-        for p, q in specs:
-            t = PageTable()
-            cache.ensure(t, p + q)
-            tables.append(t)
-        meta = AttentionMetadata.build(
-            [SeqSlice(t, p, q, tree) for t, (p, q), tree in zip(tables, specs, trees)],
-            cache, causal=causal, device=DEVICE)
+        meta = _batch(cache, specs, trees, causal)
         n = meta.num_tokens
         q = torch.randn(n, nh, hd, generator=g).to(dtype).to(DEVICE)
         k = torch.randn(n, nkv, hd, generator=g).to(dtype).to(DEVICE)
@@ -111,9 +128,9 @@ def test_triton_backend_in_the_target_worker_matches_torch(tiny_llama_dir):
 
 
 def _run_latent(specs, nh, lat, rope, page, dtype, trees=None, seed=0):
-    """MLA: a latent cache (keys only, values = their first `lat` dims), both backends over the
+    """MLA: a latent cache (a key's latent and rope parts in the two pools, the values its
+    latent), both backends over the
     same cache; fp8 caches with different per-layer scales. Returns (torch_out, triton_out)."""
-    trees = trees or [None] * len(specs)
     g = torch.Generator().manual_seed(seed)
     pages = sum(-(-(p + q) // page) for p, q in specs) + 2
     cache = PagedKVCache(2, 1, lat + rope, page, pages, dtype, DEVICE, latent_value_dim=lat)
@@ -123,23 +140,11 @@ def _run_latent(specs, nh, lat, rope, page, dtype, trees=None, seed=0):
     for layer in (0, 1):
         cache.write(layer, torch.arange(n_slots, device=DEVICE),
                     torch.randn(n_slots, 1, lat + rope, generator=g).to(DEVICE), None)
-    tables = []
-    for p, q in specs:
-        t = PageTable()
-        cache.ensure(t, p + q)
-        tables.append(t)
-    meta = AttentionMetadata.build(
-        [SeqSlice(t, p, q, tree) for t, (p, q), tree in zip(tables, specs, trees)], cache,
-        device=DEVICE)
+    meta = _batch(cache, specs, trees)
     compute = torch.float32 if dtype in (torch.float32, torch.float8_e4m3fn) else dtype
     q = torch.randn(meta.num_tokens, nh, lat + rope, generator=g).to(compute).to(DEVICE)
     k = torch.randn(meta.num_tokens, 1, lat + rope, generator=g).to(compute).to(DEVICE)
-    outs = []
-    for cls in (TorchAttentionBackend, TritonAttentionBackend):
-        backend = cls(cache, nh, 1, lat + rope, 0.1)
-        backend.prepare(meta)
-        outs.append(backend.forward(1, q, k, k).float().cpu())
-    return outs[0], outs[1]
+    return tuple(_torch_and_triton(cache, meta, nh, 1, lat + rope, 0.1, 1, q, k, k))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn, torch.bfloat16])
@@ -176,21 +181,11 @@ def test_fp8_dense_cache_matches_torch():
     n_slots = cache.k.shape[1]
     cache.write(0, torch.arange(n_slots, device=DEVICE), torch.randn(n_slots, 2, 32, generator=g)
                 .to(DEVICE), torch.randn(n_slots, 2, 32, generator=g).to(DEVICE))
-    tables = []
-    for p, q in specs:
-        t = PageTable()
-        cache.ensure(t, p + q)
-        tables.append(t)
-    meta = AttentionMetadata.build([SeqSlice(t, p, q) for t, (p, q) in zip(tables, specs)], cache,
-                                   device=DEVICE)
+    meta = _batch(cache, specs)
     q = torch.randn(meta.num_tokens, 4, 32, generator=g).to(DEVICE)
     k = torch.randn(meta.num_tokens, 2, 32, generator=g).to(DEVICE)
-    outs = []
-    for cls in (TorchAttentionBackend, TritonAttentionBackend):
-        backend = cls(cache, 4, 2, 32, 32 ** -0.5)
-        backend.prepare(meta)
-        outs.append(backend.forward(0, q, k, k).float().cpu())
-    assert (outs[0] - outs[1]).abs().max().item() < 1e-4
+    ref, tri = _torch_and_triton(cache, meta, 4, 2, 32, 32 ** -0.5, 0, q, k, k)
+    assert (ref - tri).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])

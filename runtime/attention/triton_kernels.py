@@ -52,6 +52,20 @@ def _tree_visible(tree, stride_tree, qrow, row_ok, kpos, k_ok, pre):
 
 
 @triton.jit
+def _softmax_step(s, ok, vb, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One tile of keys of the online softmax: scores s [rows, keys] (fp32, scaled) where ok,
+    values vb [keys, D] -> the running max m_i, sum l_i [rows] and accumulator acc [rows, D]."""
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION).to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def paged_block_attention(
     q, k, v, out, cu_q, prefix, tables, tree,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb, stride_tree,
@@ -95,16 +109,9 @@ def paged_block_attention(
                 ok = ok & (kpos[None, :] > qpos[:, None] - WINDOW)
             if TREE:
                 ok = ok & _tree_visible(tree, stride_tree, q_lo + tok, row_ok, kpos, k_ok, pre)
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
             vb = tl.load(v + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
                          mask=k_ok[:, None], other=0.0).to(qb.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION).to(tl.float32)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(s, ok, vb, m_i, l_i, acc, PRECISION)
         acc = acc * out_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out + (q_lo + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None])
@@ -178,15 +185,7 @@ def paged_mla_attention(
             ok = k_ok[None, :] & row_ok[:, None] & (kpos[None, :] <= qpos[:, None])
             if TREE:
                 ok = ok & _tree_visible(tree, stride_tree, q_lo + tok, row_ok, kpos, k_ok, pre)
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat,
-                                                input_precision=PRECISION).to(tl.float32)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(s, ok, k_lat, m_i, l_i, acc, PRECISION)
         acc = acc * out_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out + (q_lo + tok)[:, None] * stride_ot + head[:, None] * stride_oh + dl[None, :]
         tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & lat_ok)
