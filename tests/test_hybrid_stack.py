@@ -15,13 +15,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from support.draft_service import start_draft
+from support.gateway_stack import lookup_partial_accepts
 from support.hybrid import hf_greedy, hf_model, make_tiny_hybrid
 from support.procs import ServiceProcess, free_port, health_status, start_target
 
 from dflash.harness import HookFlags
 from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from runtime.tokenizer import ChatTokenizer
-from services.draft.prompt_lookup import propose_ngram
 
 pytestmark = pytest.mark.slow
 
@@ -85,22 +85,6 @@ def generate(gateway: ServiceProcess, prompt: list[int], block_size: int = 0
     return tokens, [e.accepted for e in events], events[-1].usage
 
 
-def partial_accepts(prompt: list[int], tokens: list[int], accepted: list[int],
-                    usage: gateway_pb2.Usage) -> int:
-    """Verify steps that accepted some drafts and rejected others. The drafts of each step are
-    recomputed with the drafter's own rule (prompt lookup over the committed tokens), and their
-    totals checked against the gateway's usage, so the per-step count is the real one."""
-    produced, drafted, partial = 1, [], 0          # event 0: the prefill's token
-    for a in accepted[1:]:
-        k = min(BLOCK, N - produced) - 1
-        d = len(propose_ngram(prompt + tokens[:produced], k, max_ngram=4, min_ngram=1))
-        drafted.append(d)
-        partial += 0 < a < d
-        produced += a + 1
-    assert (sum(drafted), sum(accepted)) == (usage.draft_tokens, usage.accepted_tokens)
-    return partial
-
-
 def test_speculative_output_equals_autoregressive_and_transformers(
         model_dir, logs, draft, prompt, reference):
     target = start_target(model_dir, logs, *TARGET_FLAGS)
@@ -108,7 +92,7 @@ def test_speculative_output_equals_autoregressive_and_transformers(
     try:
         spec, accepted, usage = generate(gateway, prompt)
         auto, auto_accepted, _ = generate(gateway, prompt, block_size=1)
-        partial = partial_accepts(prompt, spec, accepted, usage)
+        partial = lookup_partial_accepts(prompt, spec, accepted, usage, BLOCK, N)
         print(f"hybrid speculative: {usage.verify_steps} verify steps, {usage.draft_tokens} "
               f"drafts, {usage.accepted_tokens} accepted, {partial} partial accepts")
         assert sum(auto_accepted) == 0 and len(auto) == N

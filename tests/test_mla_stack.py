@@ -20,7 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from support.draft_service import start_draft
-from support.gateway_stack import start_gateway, wait_until
+from support.gateway_stack import lookup_partial_accepts, start_gateway, wait_until
 from support.hybrid import hf_greedy
 from support.procs import ServiceProcess, free_port, health_status, service_command, start_target
 from support.prom import scrape
@@ -30,7 +30,6 @@ from dflash.harness import HookFlags
 from dflash.make_draft import make_random_drafter
 from dflash.prepare.tiny_mla import make_tiny_mla
 from runtime.tokenizer import ChatTokenizer
-from services.draft.prompt_lookup import propose_ngram
 
 pytestmark = pytest.mark.slow
 
@@ -85,20 +84,6 @@ def generate(gateway, prompt: list[int], block_size: int = 0):
     return tokens, [e.accepted for e in events], events[-1].usage
 
 
-def partial_accepts(prompt, tokens, accepted, usage) -> int:
-    """Verify steps that accepted some of their drafts and rejected others (the drafts
-    recomputed with prompt lookup's own rule, their totals checked against the usage)."""
-    produced, drafted, partial = 1, 0, 0
-    for a in accepted[1:]:
-        d = len(propose_ngram(prompt + tokens[:produced], min(BLOCK, N - produced) - 1,
-                              max_ngram=4, min_ngram=1))
-        drafted += d
-        partial += 0 < a < d
-        produced += a + 1
-    assert (drafted, sum(accepted)) == (usage.draft_tokens, usage.accepted_tokens)
-    return partial
-
-
 def test_chains_equal_autoregressive_and_transformers(model_dir, logs, lookup_draft, prompt,
                                                       reference):
     target = start_target(model_dir, logs, *TARGET_FLAGS)
@@ -107,13 +92,15 @@ def test_chains_equal_autoregressive_and_transformers(model_dir, logs, lookup_dr
     try:
         spec, accepted, usage = generate(gateway, prompt)
         auto, auto_accepted, _ = generate(gateway, prompt, block_size=1)
-        partial = partial_accepts(prompt, spec, accepted, usage)
+        partial = lookup_partial_accepts(prompt, spec, accepted, usage, BLOCK, N)
         print(f"MLA speculative: {usage.verify_steps} verify steps, {usage.accepted_tokens} "
               f"accepted of {usage.draft_tokens}, {partial} partial accepts")
         assert sum(auto_accepted) == 0
         assert spec == auto == reference
         assert partial >= 3
-        caps = TargetClient(target.address).capabilities()
+        client = TargetClient(target.address)
+        caps = client.capabilities()
+        client.close()
         assert (caps.architecture, caps.mamba_verify_commit, caps.hybrid) == (
             "deepseek_v3", False, False)
         assert "latent_kv=True" in target.log()
@@ -143,7 +130,7 @@ def test_fp8_cache_speculation_equals_its_own_autoregressive_output(model_dir, l
     try:
         spec, accepted, usage = generate(gateway, prompt)
         auto, _, _ = generate(gateway, prompt, block_size=1)
-        assert partial_accepts(prompt, spec, accepted, usage) >= 3
+        assert lookup_partial_accepts(prompt, spec, accepted, usage, BLOCK, N) >= 3
         assert spec == auto
         same = sum(a == b for a, b in zip(spec, reference))
         print(f"fp8 KV cache: {same}/{N} greedy tokens equal to the fp32 reference")

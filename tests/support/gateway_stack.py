@@ -112,3 +112,21 @@ class GreedyReference:
                                           do_sample=False)
             self.cache[key] = out[0, len(prompt_ids):].tolist()
         return self.cache[key]
+
+
+def lookup_partial_accepts(prompt: Sequence[int], tokens: Sequence[int], accepted: Sequence[int],
+                           usage, block: int, n: int) -> int:
+    """Verify steps that accepted some of their drafts and rejected others, for a stream of n
+    greedy tokens drafted by prompt lookup with blocks of `block` (event 0: the prefill's
+    token). Each step's drafts are recomputed with the drafter's own rule over the committed
+    tokens and their totals checked against the gateway's usage, so the count is the real one."""
+    from services.draft.prompt_lookup import propose_ngram
+    produced, drafted, partial = 1, 0, 0
+    for a in accepted[1:]:
+        d = len(propose_ngram(list(prompt) + list(tokens[:produced]),
+                              min(block, n - produced) - 1, max_ngram=4, min_ngram=1))
+        drafted += d
+        partial += 0 < a < d
+        produced += a + 1
+    assert (drafted, sum(accepted)) == (usage.draft_tokens, usage.accepted_tokens)
+    return partial
