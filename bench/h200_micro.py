@@ -132,8 +132,8 @@ def mla_attention(name: str, device: str, bs: int, ctx: int, block: int, heads: 
     ps = 16
     pages = bs * (-(-(ctx + block) // ps)) + 2
     cache = PagedKVCache(1, 1, lat + rope, ps, pages, kv_dtype, device, latent_value_dim=lat)
-    cache.write(0, torch.arange(cache.k.shape[1], device=device),
-                torch.randn(cache.k.shape[1], 1, lat + rope, device=device), None)
+    key = torch.randn(cache.k.shape[1], 1, lat + rope, device=device)
+    cache.write(0, torch.arange(cache.k.shape[1], device=device), key[..., :lat], key[..., lat:])
     tables = [PageTable() for _ in range(bs)]
     for t in tables:
         cache.ensure(t, ctx + block)
@@ -141,8 +141,9 @@ def mla_attention(name: str, device: str, bs: int, ctx: int, block: int, heads: 
     be = backend_class(name)(cache, heads, 1, lat + rope, (128 + rope) ** -0.5)
     be.prepare(meta)
     q = torch.randn(bs * block, heads, lat + rope, dtype=dtype, device=device)
-    k = torch.randn(bs * block, 1, lat + rope, dtype=dtype, device=device)
-    return timed(lambda: be.forward(0, q, k, k), device, warmup=3, iters=20)
+    latent = torch.randn(bs * block, 1, lat, dtype=dtype, device=device)
+    k_rope = torch.randn(bs * block, 1, rope, dtype=dtype, device=device)
+    return timed(lambda: be.forward(0, q, latent, k_rope), device, warmup=3, iters=20)
 
 
 def flashinfer_mla_attention(bs: int, ctx: int, block: int, heads: int, lat: int = 512,

@@ -66,8 +66,8 @@ class PagedKVCache:
     Page 0 is reserved as a scratch page (padding writes land there), so usable pages are 1..N-1.
 
     latent_value_dim > 0 (MLA): a key of head_dim is stored split, its first latent_value_dim
-    dims (the latent, also the values) in k and the rest (the rope key) in v; `gather` joins
-    them again for backends that read whole keys.
+    dims (the latent, also the values) in k and the rest (the rope key) in v, written so by the
+    model; `gather` joins them for backends that read whole keys.
     dtype torch.float8_e4m3fn: entries are stored as x / scale (clamped to the format's range) and
     read back as entry * scale (`write`, `dequant`): per-tensor scales per layer (KVScales), from
     the checkpoint's k_scale / v_scale where it has them, else 1.0 (as vLLM and SGLang do)."""
@@ -128,15 +128,13 @@ class PagedKVCache:
         return torch.cat([k, self.v[layer][index]], dim=-1), k
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [T, nkv, dim] -> slots [T] of the layer. Latent (MLA): k [T, 1, head_dim] is
-        split over the two pools and v is not read."""
-        if self.latent_value_dim:
-            lat, scale = self.latent_value_dim, self.scales.k[layer]
-            _index_copy(self.k[layer], slots, self._quantize(k[..., :lat], scale))
-            _index_copy(self.v[layer], slots, self._quantize(k[..., lat:], scale))
-            return
-        _index_copy(self.k[layer], slots, self._quantize(k, self.scales.k[layer]))
-        _index_copy(self.v[layer], slots, self._quantize(v, self.scales.v[layer]))
+        """k, v [T, nkv, dim] -> slots [T] of the layer, each into its pool. Latent (MLA): k is
+        the latent [T, 1, latent_value_dim] and v the rope key [T, 1, rest], both at the key
+        scale (one key)."""
+        k_scale, v_scale = self.scales.k[layer], self.scales.v[layer]
+        _index_copy(self.k[layer], slots, self._quantize(k, k_scale))
+        _index_copy(self.v[layer], slots,
+                    self._quantize(v, k_scale if self.latent_value_dim else v_scale))
 
     def dequant(self, layer: int, entries: torch.Tensor, dtype: torch.dtype, values: bool = False
                 ) -> torch.Tensor:

@@ -24,8 +24,8 @@ def test_flashinfer_mla_matches_torch(nh, lat, rope):
     cache = PagedKVCache(2, 1, lat + rope, page, pages, torch.bfloat16, "cuda",
                          latent_value_dim=lat)
     n = cache.k.shape[1]
-    cache.write(1, torch.arange(n, device="cuda"),
-                torch.randn(n, 1, lat + rope, generator=g).cuda(), None)
+    key = torch.randn(n, 1, lat + rope, generator=g).cuda()
+    cache.write(1, torch.arange(n, device="cuda"), key[..., :lat], key[..., lat:])
     tables = []
     for p, q in specs:
         t = PageTable()
@@ -39,7 +39,7 @@ def test_flashinfer_mla_matches_torch(nh, lat, rope):
     for cls in (TorchAttentionBackend, FlashInferAttentionBackend):
         backend = cls(cache, nh, 1, lat + rope, 0.07)
         backend.prepare(meta)
-        outs.append(backend.forward(1, q, k, k).float().cpu())
+        outs.append(backend.forward(1, q, k[..., :lat], k[..., lat:]).float().cpu())
     assert outs[1].shape == (meta.num_tokens, nh, lat)
     assert (outs[0] - outs[1]).abs().max().item() < 3e-2
 

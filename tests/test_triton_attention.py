@@ -138,13 +138,14 @@ def _run_latent(specs, nh, lat, rope, page, dtype, trees=None, seed=0):
         cache.scales = type(cache.scales)((0.5, 2.0), (1.0, 1.0))
     n_slots = cache.k.shape[1]
     for layer in (0, 1):
-        cache.write(layer, torch.arange(n_slots, device=DEVICE),
-                    torch.randn(n_slots, 1, lat + rope, generator=g).to(DEVICE), None)
+        key = torch.randn(n_slots, 1, lat + rope, generator=g).to(DEVICE)
+        cache.write(layer, torch.arange(n_slots, device=DEVICE), key[..., :lat], key[..., lat:])
     meta = _batch(cache, specs, trees)
     compute = torch.float32 if dtype in (torch.float32, torch.float8_e4m3fn) else dtype
     q = torch.randn(meta.num_tokens, nh, lat + rope, generator=g).to(compute).to(DEVICE)
     k = torch.randn(meta.num_tokens, 1, lat + rope, generator=g).to(compute).to(DEVICE)
-    return tuple(_torch_and_triton(cache, meta, nh, 1, lat + rope, 0.1, 1, q, k, k))
+    return tuple(_torch_and_triton(cache, meta, nh, 1, lat + rope, 0.1, 1, q, k[..., :lat],
+                                   k[..., lat:]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn, torch.bfloat16])

@@ -36,13 +36,13 @@ class AttentionBackend(ABC):
 
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """k, v [T, nkv, hd] -> cache slots [T] (v unused by a latent cache)."""
+        """k, v [T, nkv, hd] -> cache slots [T] (a latent cache: the latent and the rope key)."""
         self.cache.write(layer, slot_mapping, k, v)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 causal: bool | None = None, window: int | None = None) -> torch.Tensor:
-        """q [T, nh, hd], k/v [T, nkv, hd] -> out [T, nh, value_dim] (hd, or the latent's value
-        width for MLA). `causal`/`window` override meta."""
+        """q [T, nh, hd], k/v [T, nkv, hd] -> out [T, nh, value_dim] (hd; MLA: k the latent,
+        v the rope key, out the latent's width). `causal`/`window` override meta."""
         self.store_kv(layer, k, v, self.meta.slot_mapping)
         return self.attend(layer, q, self.meta.causal if causal is None else causal, window)
 

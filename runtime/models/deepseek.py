@@ -182,8 +182,8 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self._w()
         q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)                  # [T, nh, rank]
         q = torch.cat([q_latent, q_rope], dim=-1)                              # [T, nh, rank+dr]
-        latent = torch.cat([c.unsqueeze(1), k_rope], dim=-1)                   # [T, 1, rank+dr]
-        out = batch.backend.forward(self.layer_id, q, latent, latent)          # [T, nh, rank]
+        # the key [latent | rope] goes to the cache's two pools as (k, v): no concatenation
+        out = batch.backend.forward(self.layer_id, q, c.unsqueeze(1), k_rope)  # [T, nh, rank]
         out = torch.einsum("thr,hvr->thv", out, w_uv)                          # [T, nh, dv]
         return self.o_proj(out.reshape(-1, self.nh * self.dv))
 
