@@ -161,7 +161,7 @@ def test_fp8_scales_from_the_checkpoint(tmp_path):
     assert torch.equal(stored[0], (true[0] / 0.5).to(torch.float8_e4m3fn).float())
     # every layer: written as x / scale (latent and rope parts alike), read back (dequant) as
     # entry * scale
-    cache, x = worker.kv_cache, torch.randn(2, 1, layout_width(worker))
+    cache, x = worker.kv_cache, torch.randn(2, 1, worker.model.kv_layout.head_dim)
     for layer, s in ((0, 0.5), (1, 1.0), (2, 2.0)):
         cache.write(layer, slots[:2], x[..., :32], x[..., 32:])
         keys, values = cache.gather(layer, slots[:2])
@@ -169,10 +169,6 @@ def test_fp8_scales_from_the_checkpoint(tmp_path):
         assert torch.equal(keys.float(), want) and torch.equal(values.float(), want[..., :32])
         assert torch.equal(cache.dequant(layer, keys, torch.float32), want * s), layer
     worker.kv_cache.release(table)
-
-
-def layout_width(worker: TargetWorker) -> int:
-    return worker.model.kv_layout.head_dim
 
 
 def test_bad_configs_name_the_field(tmp_path):
