@@ -166,6 +166,10 @@ def prefix_cache(d: dict) -> None:
     assert d["on"]["multi_turn"]["hit_rate"]["draft"] > 0
     assert not d["off"]["multi_turn"]["hit_rate"]["target"]
     assert d["summary"]["identical_outputs"] is True
+    for name in ("on", "off"):          # where the time went: the services' own histograms
+        b = d[name]["multi_turn"]["breakdown"]
+        assert b["target.Prefill"]["n"] == 4 and b["target.Prefill"]["ms"] > 0
+        assert b["target.forward"]["ms"] > 0 and b["ttft"]["n"] == 4
 
 
 def spec_load_cpu(d: dict) -> None:
