@@ -137,8 +137,11 @@ def measure(args: argparse.Namespace, svc: Services, prompts: list[list[int]],
         same: dict[str, int] = {}          # outputs equal to the autoregressive one's (bf16 on a
                                            # GPU is not batch-invariant: near-ties may flip)
         before = chosen(gateways[AUTO][1])
-        for _ in range(args.rounds):
-            for label, (port, _) in gateways.items():
+        for r in range(args.rounds):
+            # odd rounds in reverse order: no configuration always runs first or last (the
+            # autoregressive outputs they are checked against come from round 0)
+            order = list(gateways.items())[:: -1 if r % 2 else 1]
+            for label, (port, _) in order:
                 outputs, seconds = asyncio.run(run(f"127.0.0.1:{port}", batch, c, args.max_tokens))
                 if label == AR:
                     reference = outputs

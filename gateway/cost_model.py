@@ -1,7 +1,7 @@
 """What a speculative step costs, as the gateway's `--speculation auto` sees it
 (gateway/speculation_policy.py; docs/adaptive-speculation.md).
 
-    step = overhead + (propose(appended) if it drafts) + verify(rows of the whole batch)
+    step = overhead + (propose(rows of the draft forward) if it drafts) + verify(rows of the whole batch)
 
 - verify(T): the target's forward time for a batch of T rows (its tokens; on a GPU a batch of
   chains is padded to a captured block, TargetCapabilities.verify_padded_blocks, so chains of
@@ -13,14 +13,18 @@
   first run of it is replaced). Chains are read through the points' non-decreasing fit (pool
   adjacent violators: a bigger batch never costs less), interpolated linearly and extrapolated
   past the last point; trees as measured, and past their last point at chain rates.
-- propose(appended): a Propose round trip as the gateway waits for it, by the context rows it
-  appends (a robust line through the last few: Theil-Sen), starting from the draft's warm-up
-  curve (DraftCapabilities.propose_cost: its engine time for a steady-state Propose). A step
-  that drafts every time appends what the last one committed; one after a stretch without drafting appends the whole
-  backlog, and the first one the prompt: pricing every Propose at what one of those cost had
-  kept a CPU that rarely drafts from ever trying the steady state (chains of 2 beat not
-  drafting at one request on the EPYC, which auto never found). Tree Proposes have their own
-  line (they rank each position's likeliest tokens: dearer than a chain's).
+- propose(rows): a Propose round trip as the gateway waits for it, by the rows of the draft's
+  forward it ran in (every proposing sequence's appended context rows plus its block: the draft
+  batches the Proposes that arrive together, and on a CPU a batch of eight costs several times
+  one): a robust line (Theil-Sen) through the last few forwards the draft reported
+  (ProposeResponse.batch_rows / batch_seconds), starting from the draft's warm-up curve
+  (DraftCapabilities.propose_cost: one sequence's forward by its rows), plus the round trip's
+  own overhead (the wire, the queue). A step that drafts every time appends what the last one
+  committed; one after a stretch without drafting appends the whole backlog, and the first one
+  the prompt: pricing every Propose at what one of those cost had kept a CPU that rarely
+  drafts from ever trying the steady state (chains of 2 beat not drafting at one request on
+  the EPYC, which auto never found). Tree Proposes have their own line (they rank each
+  position's likeliest tokens: dearer than a chain's).
 - overhead: the rest of a step that does not depend on its size - a Verify's round trip minus
   its wait in the target's queue and its forward (the wire, gRPC, scheduling).
 """
@@ -157,10 +161,11 @@ class CostModel:
         self.chains, self.trees = VerifyCurve(curve), VerifyCurve(tree_curve, monotone=False)
         self.padded_blocks = tuple(sorted(padded_blocks))
         self._proposes: deque[tuple[int, float]] = deque(maxlen=PROPOSE_WINDOW)
-        self.propose_s = 0.0            # a chain Propose appending no rows (0: none timed) ...
-        self.propose_per_row_s = 0.0    # ... and each row it appends
+        self.propose_s = 0.0            # a chain Propose's forward of no rows (0: none timed) ...
+        self.propose_per_row_s = 0.0    # ... and each row of it
         self._tree_proposes: deque[tuple[int, float]] = deque(maxlen=PROPOSE_WINDOW)
         self.tree_propose = (0.0, 0.0)  # the same for trees (intercept, per row)
+        self.propose_overhead_s = 0.0   # a Propose's round trip beyond its forward
         self.overhead_s = 0.0
 
     @property
@@ -194,19 +199,19 @@ class CostModel:
         pad = min((b for b in self.padded_blocks if b >= longest), default=0)
         return pad * len(tokens) if pad else sum(tokens)
 
-    def propose_cost(self, appended: float, tree: bool = False) -> float:
-        """A Propose (of a tree: its own line once one was timed) that appends `appended`
-        context rows."""
+    def propose_cost(self, rows: float, tree: bool = False) -> float:
+        """A Propose whose draft forward runs `rows` rows (every proposing sequence's appended
+        context rows plus its block; a tree: its own line once one was timed), round trip."""
         base, per_row = (self.tree_propose if tree and self._tree_proposes
                          else (self.propose_s, self.propose_per_row_s))
-        return base + per_row * appended
+        return self.propose_overhead_s + base + per_row * rows
 
     def step_s(self, batch_tokens: int, drafts: bool, tree: bool = False,
-               appended: float = 0.0) -> float:
-        """One request's step: its verify in a batch of batch_tokens, plus a Propose if it
-        drafts (appending `appended` rows: in steady state, what a step commits), plus the
-        overhead."""
-        return (self.overhead_s + (self.propose_cost(appended, tree) if drafts else 0.0)
+               propose_rows: float = 0.0) -> float:
+        """One step of a batch: its verify of batch_tokens, plus a Propose if it drafts (a
+        draft forward of `propose_rows`: in steady state, what a step commits plus the
+        blocks), plus the overhead."""
+        return (self.overhead_s + (self.propose_cost(propose_rows, tree) if drafts else 0.0)
                 + self.verify_s(batch_tokens, tree))
 
     # -- learning ------------------------------------------------------------------------------
@@ -224,25 +229,33 @@ class CostModel:
 
     def seed_proposes(self, chains: Iterable[tuple[int, float]],
                       trees: Iterable[tuple[int, float]] = ()) -> None:
-        """The draft's warm-up points (DraftCapabilities.propose_cost: engine time by appended
+        """The draft's warm-up points (DraftCapabilities.propose_cost: engine time by forward
         rows): the lines' prior until serving has timed Proposes of its own, which push them
         out of the window. Only into an empty window."""
         for window, points, tree in ((self._proposes, list(chains), False),
                                      (self._tree_proposes, list(trees), True)):
             if points and not window:
-                for appended, seconds in points:
-                    self.observe_propose(seconds, appended, tree)
+                for rows, seconds in points:
+                    self._propose_point(window, rows, seconds, tree)
 
-    def observe_propose(self, wall_s: float, appended: int = 0, tree: bool = False) -> None:
-        """A Propose round trip that appended `appended` context rows. A robust line through
-        the last few, not a moving average: one slow Propose (a kernel's first run) must not
-        make drafting look dear, as then no Propose is timed again to correct it."""
+    def observe_propose(self, wall_s: float, rows: int = 0, tree: bool = False,
+                        forward_s: float = 0.0) -> None:
+        """A Propose round trip of wall_s whose draft forward ran `rows` rows in forward_s
+        (0: a draft that does not say; then the round trip is the point). A robust line
+        through the last few, not a moving average: one slow Propose (a kernel's first run)
+        must not make drafting look dear, as then no Propose is timed again to correct it."""
+        if forward_s > 0:
+            self.propose_overhead_s = _average(self.propose_overhead_s,
+                                               max(0.0, wall_s - forward_s))
+        self._propose_point(self._tree_proposes if tree else self._proposes, rows,
+                            forward_s if forward_s > 0 else wall_s, tree)
+
+    def _propose_point(self, window: deque, rows: int, seconds: float, tree: bool) -> None:
+        window.append((rows, seconds))
         if tree:
-            self._tree_proposes.append((appended, wall_s))
-            self.tree_propose = robust_line(self._tree_proposes)
+            self.tree_propose = robust_line(window)
         else:
-            self._proposes.append((appended, wall_s))
-            self.propose_s, self.propose_per_row_s = robust_line(self._proposes)
+            self.propose_s, self.propose_per_row_s = robust_line(window)
 
     def export(self, model: str) -> None:
         """dflash_spec_cost_seconds: the model's parts now."""

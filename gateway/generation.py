@@ -190,9 +190,9 @@ class Generation:
             policy.observe(self.acceptance, shape, depth, resp.accepted)
         policy.cost.observe_verify(resp.batch_tokens, resp.batch_seconds, verify_s,
                                    resp.queue_seconds, tree=not drafts.is_chain)
-        if propose_s is not None and drafts.tokens:     # by the rows it appended
-            policy.cost.observe_propose(propose_s, self.draft.appended,
-                                        tree=not drafts.is_chain)
+        if propose_s is not None and drafts.tokens:     # by the rows of its forward
+            rows, forward_s = self.draft.last_forward
+            policy.cost.observe_propose(propose_s, rows, not drafts.is_chain, forward_s)
         policy.export(self.state.metrics_model)
 
     async def _constrained(self, drafts: DraftTree) -> tuple[DraftTree, list[bytes] | None]:

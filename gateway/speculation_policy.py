@@ -64,10 +64,17 @@ class Option:
     expected: float                     # expected committed tokens of a step of this shape
     batch_tokens: int = 0               # its verify tokens (0: shape.tokens; a batch: the sum)
     requests: int = 1                   # the requests it is for (a batch's: all)
+    batch_propose_rows: float = 0.0     # its draft forward's rows (0: one request's)
 
     @property
     def tokens(self) -> int:
         return self.batch_tokens or self.shape.tokens
+
+    @property
+    def propose_rows(self) -> float:
+        """In steady state each Propose appends what the last step committed - about what a
+        step of this shape commits - and runs its block (a chain's: its tokens)."""
+        return self.batch_propose_rows or self.expected + self.shape.tokens
 
 
 def choose(options: Iterable[Option], cost: CostModel) -> Option:
@@ -86,9 +93,8 @@ def rank(options: Iterable[Option], cost: CostModel) -> list[Option]:
 
 
 def step_s(o: Option, cost: CostModel) -> float:
-    """An option's step: in steady state each request's Propose appends what its last step
-    committed - about what a step of this shape commits."""
-    return cost.step_s(o.tokens, o.shape.drafts > 0, o.shape.tree, o.expected / o.requests)
+    """An option's step: the Proposes of its requests run as one draft forward."""
+    return cost.step_s(o.tokens, o.shape.drafts > 0, o.shape.tree, o.propose_rows)
 
 
 @dataclass(frozen=True)
@@ -202,7 +208,10 @@ class SpeculationPolicy:
                        for m, o in zip(models, own))
         tokens = [o.tokens for o in own]
         rows = sum(tokens) if shape.tree else self.cost.chain_rows(tokens)
-        return Option(shape, expected, rows, len(models))
+        # a tree's Propose runs the whole block (its depth + 1), a chain's its own tokens
+        blocks = sum(m.limits.tree_depth + 1 if o.tree else o.tokens
+                     for m, o in zip(models, own))
+        return Option(shape, expected, rows, len(models), expected + blocks)
 
     def observe(self, acceptance: AcceptanceModel, shape: Shape, depth: int, accepted: int
                 ) -> None:

@@ -75,10 +75,10 @@ def test_capabilities(stub, smollm2_dir):
                                             fp.tokenizer_hash)
     assert caps.protocol_version == 1 and caps.model_id == "smol-draft"
     assert caps.lease_seconds == 120
-    # warm-up's Propose cost by appended rows: every point timed, and trees (this drafter
-    # builds them) on their own curve
-    assert [p.tokens for p in caps.propose_cost] == [1, 2, 4, 8, 16]
-    assert [p.tokens for p in caps.propose_cost_tree] == [1, 2, 4]
+    # warm-up's Propose cost by its forward's rows (appended + the block of 16): every point
+    # timed, and trees (this drafter builds them) on their own curve
+    assert [p.tokens for p in caps.propose_cost] == [17, 18, 20, 24, 32]
+    assert [p.tokens for p in caps.propose_cost_tree] == [17, 18, 20]
     assert all(0 < p.seconds < 5 for p in (*caps.propose_cost, *caps.propose_cost_tree))
 
 
@@ -148,6 +148,9 @@ def test_positions_must_continue_the_context(stub):
     assert again.context_len == 8 and len(again.draft_tokens) == 15
     small = p(propose_request("cont", None, 0, 12, block_size=4))
     assert len(small.draft_tokens) == 3 and small.context_len == 8
+    # the forward it ran in, alone: no rows appended plus its block of 4 (the gateway's cost
+    # model prices Proposes by it)
+    assert small.batch_rows == 4 and small.batch_seconds > 0
     assert p(propose_request("cont", feats(3), 0, 12)).context_len == 3   # restart at 0
 
 

@@ -412,3 +412,33 @@ def test_tree_proposes_do_not_price_chains():
     assert c.propose_cost(2) == 0.0 and c.propose_cost(2, tree=True) == pytest.approx(0.040)
     c.observe_propose(0.012, 2)
     assert c.propose_cost(2) == pytest.approx(0.012)
+
+
+def test_a_batch_s_proposes_are_priced_as_one_draft_forward_of_all_their_rows():
+    """The EPYC at 8 requests: the draft batches the 8 Proposes into one forward, whose time
+    grows with every sequence's appended rows and block (8 ms + 1 ms a row here). Priced per
+    request (one request's rows), drafting looked cheap at 8 and auto drafted 1-token chains,
+    22 % below not drafting; priced by the batch's rows it drafts at 1 request only."""
+    verify = [(n, 0.020 + 0.005 * n) for n in (1, 2, 3, 8, 16, 24)]
+    chosen = {}
+    for running in (1, 8):
+        policy = SpeculationPolicy(verify)
+        policy.cost.seed_proposes([(rows, 0.008 + 0.001 * rows) for rows in (4, 16, 32)])
+        limits = Limits(max_chain=2, max_tree=0, tree_depth=2)
+        models = [policy.model() for _ in range(running)]
+        for m in models:
+            for _ in range(40):
+                m.observe(CHAIN, 2, 1)              # the first draft accepted, the second not
+        chosen[running] = [policy.decide(str(i), m, limits, running)
+                           for i, m in enumerate(models)][-1]
+    assert chosen[1] == Shape(1) and chosen[8] == NO_DRAFTING
+
+
+def test_a_propose_s_round_trip_beyond_its_forward_is_its_overhead():
+    """With the draft's report of its forward, the line holds forward times by batch rows and
+    the rest of the round trip (the wire, the queue) is priced once on top."""
+    c = CostModel([(1, 0.010)])
+    for rows in (4, 8, 16, 32):
+        c.observe_propose(0.003 + 0.008 + 0.001 * rows, rows, forward_s=0.008 + 0.001 * rows)
+    assert c.propose_overhead_s == pytest.approx(0.003, rel=0.01)
+    assert c.propose_cost(10) == pytest.approx(0.003 + 0.018, rel=0.01)

@@ -38,6 +38,8 @@ class ProposeResult:
     draft_tokens: list[int]
     context_len: int
     draft_parents: list[int] = field(default_factory=list)   # a tree's; empty for a chain
+    batch_rows: int = 0                 # the forward it ran in: every sequence's rows ...
+    batch_seconds: float = 0.0          # ... and its time
 
 
 class DraftEngine(SequenceEngine[DraftSequence]):
@@ -133,14 +135,15 @@ class DraftEngine(SequenceEngine[DraftSequence]):
     def _run(self, admitted: list[tuple[Work, ProposeItem]]) -> None:
         t0 = time.perf_counter()
         items = [item for _, item in admitted]
-        drafts = self.drafter.propose(items)
+        drafts = self.drafter.propose(items)      # token lists: the device is done
+        seconds = time.perf_counter() - t0
+        rows = sum(i.num_new + i.block_size for i in items)
         for (work, item), tree in zip(admitted, drafts):
             item.seq.context_len = item.context_len
             item.seq.touch()
             parents = [] if tree.is_chain else tree.parents
-            work.resolve(ProposeResult(tree.tokens, item.context_len, parents))
-        tokens = sum(i.num_new + i.block_size for i in items)
-        self.stats.record_forward(len(items), tokens, time.perf_counter() - t0)
+            work.resolve(ProposeResult(tree.tokens, item.context_len, parents, rows, seconds))
+        self.stats.record_forward(len(items), rows, seconds)
 
     # -- SequenceEngine --------------------------------------------------------------------------
     def _free(self, seq: DraftSequence) -> None:

@@ -1,6 +1,7 @@
 """The Propose cost curve measured at warm-up, for the gateway's `--speculation auto`
 (gateway/cost_model.py): how long the draft's engine takes for one sequence's Propose by the
-context rows it appends, a chain of the drafter's block and (when it drafts trees) a tree of 15.
+rows of its forward (the context rows it appends plus its block), a chain of the drafter's
+block and (when it drafts trees) a tree of 15.
 
 Without it the gateway priced drafting from the Proposes it happened to time first: the
 prompt's (every row of it), the backlog of a stretch without drafting, trees under the
@@ -34,7 +35,7 @@ SEQ = "__propose_cost__"
 
 @dataclass(frozen=True)
 class ProposeCurves:
-    """(appended rows, seconds) ascending; () = not measured."""
+    """(forward rows: appended + block, seconds) ascending; () = not measured."""
     chains: tuple[tuple[int, float], ...] = ()
     trees: tuple[tuple[int, float], ...] = ()
 
@@ -69,8 +70,8 @@ async def _measure(engine: DraftEngine, drafter: Drafter) -> ProposeCurves:
             key = (appended, nodes)
             best[key] = min(best.get(key, seconds), seconds)
     return ProposeCurves(
-        chains=tuple((a, best[(a, 0)]) for a in APPENDED),
-        trees=tuple((a, best[(a, n)]) for a, n in best if n))
+        chains=tuple((a + block, best[(a, 0)]) for a in APPENDED),
+        trees=tuple((a + block, best[(a, n)]) for a, n in best if n))
 
 
 async def _propose(engine: DraftEngine, facts, context: int, rows: int, block: int,

@@ -72,7 +72,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         result = await engine.propose(propose_call(request, facts, self.planes, owner))
         return draft_pb2.ProposeResponse(draft_tokens=result.draft_tokens,
                                          context_len=result.context_len,
-                                         draft_parents=result.draft_parents)
+                                         draft_parents=result.draft_parents,
+                                         batch_rows=result.batch_rows,
+                                         batch_seconds=result.batch_seconds)
 
     @rpc
     async def OpenSequence(self, request: draft_pb2.OpenSequenceRequest, context
