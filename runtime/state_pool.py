@@ -1,19 +1,26 @@
 """The recurrent-state pool of hybrid models, beside the paged KV pool.
 
-Per mamba layer l (layer-major, so one layer's slots are one contiguous tensor):
+Per recurrent layer l (Mamba2 or Gated DeltaNet; layer-major, so one layer's slots are one
+contiguous tensor; S = the layer's state shape: Mamba2 [nh, hd, N], Gated DeltaNet [nv, dk, dv]):
   conv[l]         [num_slots, C, K-1]          live conv window of each sequence (model dtype)
-  ssm[l]          [num_slots, nh, hd, N]       live SSM state of each sequence (fp32)
+  ssm[l]          [num_slots, *S]              live recurrent state of each sequence (fp32)
   verify_conv[l]  [num_verify_slots, B, C, K-1]   window after each position of a verify block
-  verify_ssm[l]   [num_verify_slots, B, nh, hd, N] state after each position of a verify block
+  verify_ssm[l]   [num_verify_slots, B, *S]    state after each position of a verify block
 B = max_block_size (0 when it is 1: 1-token blocks need no verify states). A sequence holds
 one live slot from Prefill to release, and one verify slot when one was free at Prefill
 (verify states are B times the live state, so there may be fewer); without one it can only
 verify 1-token blocks (those advance the live state directly)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
+from runtime.layers.gated_deltanet import GatedDeltaNetConfig
 from runtime.layers.mamba2 import Mamba2Config
+
+# what a recurrent layer's states look like: conv_state_shape and ssm_state_shape
+StateConfig = Mamba2Config | GatedDeltaNetConfig
 
 
 def verify_positions(max_block_size: int) -> int:
@@ -26,7 +33,7 @@ class OutOfStateSlots(Exception):
 
 
 class MambaStatePool:
-    def __init__(self, cfg: Mamba2Config, num_layers: int, num_slots: int, num_verify_slots: int,
+    def __init__(self, cfg: StateConfig, num_layers: int, num_slots: int, num_verify_slots: int,
                  max_block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
         if num_slots < 1 or not 1 <= num_verify_slots <= num_slots:
             raise ValueError(f"the state pool needs >= 1 state slots and 1..{num_slots} verify "
@@ -47,10 +54,10 @@ class MambaStatePool:
         self.verify_of: dict[int, int] = {}                       # live slot -> verify slot
 
     @staticmethod
-    def bytes_needed(cfg: Mamba2Config, num_layers: int, num_slots: int, num_verify_slots: int,
+    def bytes_needed(cfg: StateConfig, num_layers: int, num_slots: int, num_verify_slots: int,
                      max_block_size: int, dtype: torch.dtype) -> int:
-        conv = num_layers * cfg.conv_dim * (cfg.conv_kernel - 1) * dtype.itemsize
-        ssm = num_layers * cfg.num_heads * cfg.head_dim * cfg.state_size * 4
+        conv = num_layers * math.prod(cfg.conv_state_shape) * dtype.itemsize
+        ssm = num_layers * math.prod(cfg.ssm_state_shape) * 4
         return (conv + ssm) * (num_slots + num_verify_slots * verify_positions(max_block_size))
 
     @property

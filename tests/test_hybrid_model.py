@@ -1,6 +1,8 @@
-"""The hybrid (Bamba: Mamba2 + attention) model against transformers' implementation, on a
-random-initialised tiny checkpoint, fp32: prefill at lengths around the scan's chunk size
-(8 tokens), chunked prefill, step-by-step decoding, mixed batches; and checkpoint checks."""
+"""The hybrid models (Bamba: Mamba2 + attention; Qwen3.5: Gated DeltaNet + gated attention)
+against transformers' implementations, on random-initialised tiny checkpoints, fp32: prefill at
+lengths around the scans' chunk sizes (Bamba 8 tokens, Qwen3.5 64), chunked prefill,
+step-by-step decoding, mixed batches; the chunked scans against their recurrences; and
+checkpoint checks."""
 from __future__ import annotations
 
 import json
@@ -8,18 +10,31 @@ import shutil
 
 import pytest
 import torch
-from support.hybrid import HybridSeq, forward_many, hf_logits, hf_model, make_tiny_hybrid
+from support.hybrid import (
+    HybridSeq,
+    attention_at,
+    forward_many,
+    hf_logits,
+    hf_model,
+    make_tiny_hybrid,
+)
 from support.inproc_target import loaded_worker
 
+from runtime.layers.gated_deltanet import delta_chunked, delta_recurrent
 from runtime.layers.mamba2 import ssd_chunked, ssd_step
 from runtime.models.registry import load_model
 
 TOL = 1e-4
 
 
+@pytest.fixture(scope="module", params=["bamba", "qwen3_5"])
+def family(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory):
-    return make_tiny_hybrid(tmp_path_factory.mktemp("tiny_bamba"))
+def hybrid_dir(tmp_path_factory, family):
+    return make_tiny_hybrid(tmp_path_factory.mktemp(f"tiny_{family}"), family=family)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +52,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 256, (n,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("length", [1, 7, 8, 9, 17, 40])
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 17, 40, 70])
 def test_prefill_logits_match_transformers(worker, hf, length):
     ids = prompt(length, seed=length)
     seq = HybridSeq(worker, "p")
@@ -121,14 +136,46 @@ def _with_config(src, dst, **changes):
     return dst
 
 
-def test_layer_pattern_disagreeing_with_weights_fails_naming_the_layer(hybrid_dir, tmp_path):
+def test_delta_rule_in_chunks_equals_the_recurrence():
+    """delta_chunked over 21 tokens in chunks of 4 == 21 single steps (state and outputs), with
+    4 value heads, from a nonzero state."""
+    g = torch.Generator().manual_seed(0)
+    b, L, nv, dk, dv = 2, 21, 4, 5, 3
+    q, k = (torch.nn.functional.normalize(torch.randn(b, L, nv, dk, generator=g), dim=-1)
+            for _ in range(2))
+    v = torch.randn(b, L, nv, dv, generator=g)
+    decay = -torch.rand(b, L, nv, generator=g)
+    beta = torch.rand(b, L, nv, generator=g)
+    S0 = torch.randn(b, nv, dk, dv, generator=g)
+    o, S = delta_chunked(S0, q, k, v, decay, beta, chunk=4)
+    o_ref, S_ref = delta_recurrent(S0, q, k, v, decay, beta, keep_states=False)
+    assert torch.allclose(o, o_ref, atol=1e-5) and torch.allclose(S, S_ref, atol=1e-5)
+
+
+def test_layer_pattern_disagreeing_with_weights_fails_naming_the_layer(family, hybrid_dir,
+                                                                      tmp_path):
     """config.json says layers 1 and 2 attend; the weights have attention at 1 and 3."""
-    bad = _with_config(hybrid_dir, tmp_path / "bad", attn_layer_indices=[1, 2])
-    with pytest.raises(ValueError, match=r"layer 2 is 'full_attention'.*\['mamba'\]"):
+    bad = _with_config(hybrid_dir, tmp_path / "bad", **attention_at(family, 4, [1, 2]))
+    mixer = "mamba" if family == "bamba" else "linear_attn"
+    with pytest.raises(ValueError, match=rf"layer 2 is 'full_attention'.*\['{mixer}'\]"):
         load_model(bad)
 
 
-def test_layers_beyond_config_fail_at_load(hybrid_dir, tmp_path):
-    bad = _with_config(hybrid_dir, tmp_path / "short", num_hidden_layers=3, attn_layer_indices=[1])
+def test_layers_beyond_config_fail_at_load(family, hybrid_dir, tmp_path):
+    bad = _with_config(hybrid_dir, tmp_path / "short", **attention_at(family, 3, [1]))
     with pytest.raises(ValueError, match=r"layers \[3\] beyond the 3 layers"):
         load_model(bad)
+
+
+def test_a_qwen3_5_layout_the_project_does_not_know_fails_naming_the_field(tmp_path):
+    """A layer kind other than linear_attention / full_attention, or value heads that the key
+    heads do not divide: a start-up error naming the config field, before any weights load."""
+    src = make_tiny_hybrid(tmp_path / "q", family="qwen3_5")
+    odd = _with_config(src, tmp_path / "odd", layer_types=["linear_attention", "mamba",
+                                                          "linear_attention", "full_attention"])
+    with pytest.raises(ValueError, match=r"layer_types .*'mamba'.*'linear_attention'"):
+        load_model(odd)
+    heads = _with_config(src, tmp_path / "heads", linear_num_value_heads=3)
+    with pytest.raises(ValueError, match="linear_num_value_heads 3 is not a multiple of "
+                                         "linear_num_key_heads 2"):
+        load_model(heads)

@@ -1,4 +1,5 @@
-"""A hybrid (Mamba2 + attention) target through the full stack: target, prompt-lookup draft and
+"""Hybrid targets (Bamba: Mamba2 + attention; Qwen3.5: Gated DeltaNet + gated attention)
+through the full stack: target, prompt-lookup draft and
 gateway processes. Greedy speculative output equals the target's own autoregressive output and
 transformers' generate, with partial accepts (counted); with the commit skipped it differs; a
 target that cannot commit is refused by the gateway.
@@ -32,10 +33,11 @@ TARGET_FLAGS = ("--max-block-size", str(BLOCK), "--kv-budget", "64MiB", "--state
 GATEWAY = "dflash.v1.Gateway"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, smollm2_dir):
-    return make_tiny_hybrid(tmp_path_factory.mktemp("tiny_bamba_smol"), vocab_from=smollm2_dir,
-                            active_vocab=(1000, 1016))
+@pytest.fixture(scope="module", params=["bamba", "qwen3_5"])
+def model_dir(tmp_path_factory, smollm2_dir, request):
+    return make_tiny_hybrid(tmp_path_factory.mktemp(f"tiny_{request.param}_smol"),
+                            vocab_from=smollm2_dir, active_vocab=(1000, 1016),
+                            family=request.param)
 
 
 @pytest.fixture(scope="module")

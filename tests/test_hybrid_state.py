@@ -1,5 +1,6 @@
 """The recurrent state of a hybrid target across verify blocks: the commit after a partial
-accept, the live state left alone by verify, 1-token blocks, the pool's slots and memory."""
+accept, the live state left alone by verify, 1-token blocks, the pool's slots and memory - for
+Mamba2 (Bamba) and Gated DeltaNet (Qwen3.5) layers alike."""
 from __future__ import annotations
 
 import pytest
@@ -14,9 +15,10 @@ from runtime.state_pool import MambaStatePool, OutOfStateSlots
 STATE_TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory):
-    return make_tiny_hybrid(tmp_path_factory.mktemp("tiny_bamba"))
+@pytest.fixture(scope="module", params=["bamba", "qwen3_5"])
+def hybrid_dir(tmp_path_factory, request):
+    return make_tiny_hybrid(tmp_path_factory.mktemp(f"tiny_{request.param}"),
+                            family=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -141,13 +143,15 @@ def test_state_pool_memory_is_taken_from_the_kv_budget(hybrid_dir):
     budget = 8 << 20
     w = loaded_worker(hybrid_dir, kv_budget_bytes=budget, state_slots=8, max_block_size=16)
     pool, cfg = w.state_pool, w.model.hybrid_cfg
-    expected = MambaStatePool.bytes_needed(cfg.mamba, len(cfg.mamba_layers), 8, 8, 16,
+    expected = MambaStatePool.bytes_needed(cfg.state, len(cfg.recurrent_layers), 8, 8, 16,
                                            torch.float32)
     assert pool.nbytes == expected
-    # 8 live states + 8 x 16 verify states, per mamba layer: conv window + fp32 SSM state
-    m = cfg.mamba
-    per_state = m.conv_dim * 3 * 4 + m.num_heads * m.head_dim * m.state_size * 4
-    assert expected == len(cfg.mamba_layers) * per_state * (8 + 8 * 16)
+    # 8 live states + 8 x 16 verify states, per recurrent layer: conv window + fp32 state
+    # (Mamba2 [heads, head dim, state size], Gated DeltaNet [value heads, key dim, value dim])
+    m = cfg.state
+    state = m.ssm_state_shape
+    per_state = m.conv_dim * 3 * 4 + state[0] * state[1] * state[2] * 4
+    assert expected == len(cfg.recurrent_layers) * per_state * (8 + 8 * 16)
     base = w.model.cfg
     per_page = PagedKVCache.bytes_per_page(w.num_attention_layers, base.num_kv_heads,
                                            base.head_dim, 4, torch.float32)
@@ -165,7 +169,7 @@ def test_blocks_of_one_token_need_no_verify_states(hybrid_dir):
     w = loaded_worker(hybrid_dir, state_slots=2, max_block_size=1, token_budget=64)
     assert w.state_pool.verify_ssm.numel() == 0
     assert w.state_pool.nbytes == MambaStatePool.bytes_needed(
-        w.model.hybrid_cfg.mamba, 2, 2, 2, 1, torch.float32)
+        w.model.hybrid_cfg.state, 2, 2, 2, 1, torch.float32)
     ids = prompt(12, seed=9)
     spec, twin = HybridSeq(w, "one"), HybridSeq(w, "step")
     spec.run(ids[:10]), twin.run(ids[:10])

@@ -1,6 +1,7 @@
-"""python -m dflash.prepare.tiny_hybrid OUT_DIR [--vocab-from SMOLLM2_DIR] [...]: a random-
-initialised tiny Bamba (Mamba2 + attention) checkpoint in HF format, written by transformers
-(test-time dependency only). With --vocab-from the model takes that directory's tokenizer files,
+"""python -m dflash.prepare.tiny_hybrid OUT_DIR [--family bamba|qwen3_5] [--vocab-from
+SMOLLM2_DIR] [...]: a random-initialised tiny hybrid checkpoint in HF format, written by
+transformers (test-time dependency only): Bamba (Mamba2 + attention) or Qwen3.5 (Gated DeltaNet
++ gated attention). With --vocab-from the model takes that directory's tokenizer files,
 vocabulary size and bos/eos ids, so the gateway can tokenize and detokenize for it."""
 from __future__ import annotations
 
@@ -18,22 +19,34 @@ TINY_BAMBA: dict[str, Any] = {
     "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8,
     "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     "initializer_range": 0.1, "tie_word_embeddings": False}
+# Qwen3.5 text: DeltaNet, attention, DeltaNet, attention; 2 key heads serving 4 value heads;
+# a quarter of each attention head rotated
+TINY_QWEN3_5: dict[str, Any] = {
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                        "partial_rotary_factor": 0.25},
+    "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "initializer_range": 0.1, "tie_word_embeddings": False}
+FAMILIES = ("bamba", "qwen3_5")
 
 
 def make_tiny_hybrid(out_dir: str | Path, vocab_from: str | Path | None = None, seed: int = 0,
-                     active_vocab: tuple[int, int] | None = None, **overrides: Any) -> Path:
+                     active_vocab: tuple[int, int] | None = None, family: str = "bamba",
+                     **overrides: Any) -> Path:
     """Writes config.json + model.safetensors (fp32) [+ tokenizer files]; returns out_dir.
     active_vocab (lo, hi): the LM head scores only ids lo..hi-1 (the other rows are zero). A
     random model choosing among a few tokens soon repeats itself, so prompt lookup drafts get
     partly accepted - what speculative tests need."""
     import torch
-    from transformers import BambaConfig, BambaForCausalLM
 
     out = Path(out_dir)
-    fields = {**TINY_BAMBA, **vocab_fields(vocab_from), **overrides}
     torch.manual_seed(seed)
-    model = BambaForCausalLM(BambaConfig(**fields)).eval()
-    _randomise_ssm_parameters(model, seed)
+    model = _hf_model(family, {**vocab_fields(vocab_from), **overrides})
+    _randomise_recurrent_parameters(model, seed)
     if active_vocab is not None:
         restrict_lm_head(model, *active_vocab)
     model.save_pretrained(out)
@@ -41,23 +54,38 @@ def make_tiny_hybrid(out_dir: str | Path, vocab_from: str | Path | None = None, 
     return out
 
 
-def _randomise_ssm_parameters(model, seed: int) -> None:
-    """transformers initialises A_log = log(1..nh), D = 1, dt_bias = 1 in every layer; random
-    values make a test catch a head or layer mixed up."""
+def _hf_model(family: str, fields: dict[str, Any]):
+    if family == "bamba":
+        from transformers import BambaConfig, BambaForCausalLM
+        return BambaForCausalLM(BambaConfig(**{**TINY_BAMBA, **fields})).eval()
+    if family == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TINY_QWEN3_5, **fields})).eval()
+    raise ValueError(f"family {family!r}: one of {FAMILIES}")
+
+
+def _randomise_recurrent_parameters(model, seed: int) -> None:
+    """transformers initialises A_log, D and dt_bias alike in every layer (and Qwen3.5's
+    zero-centred norms at 0); random values make a test catch a head or layer mixed up."""
     import torch
     g = torch.Generator().manual_seed(seed + 1)
+    uniform = lambda p, lo, hi: p.copy_(torch.empty(p.numel()).uniform_(lo, hi, generator=g))
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
-                n = module.A_log.numel()
-                module.A_log.copy_(torch.empty(n).uniform_(-1.0, 1.5, generator=g))
-                module.D.copy_(torch.empty(n).uniform_(0.5, 1.5, generator=g))
-                module.dt_bias.copy_(torch.empty(n).uniform_(-2.0, 1.0, generator=g))
+                uniform(module.A_log, -1.0, 1.5)
+                if hasattr(module, "D"):                        # Mamba2's skip
+                    uniform(module.D, 0.5, 1.5)
+                uniform(module.dt_bias, -2.0, 1.0)
+        for name, p in model.named_parameters():
+            if "norm" in name and not p.abs().sum():          # zero-centred norm weights
+                uniform(p, -0.3, 0.3)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m dflash.prepare.tiny_hybrid", description=__doc__)
     p.add_argument("out_dir")
+    p.add_argument("--family", default="bamba", choices=FAMILIES)
     p.add_argument("--vocab-from", default=None, help="model directory whose tokenizer to copy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden-size", type=int, default=TINY_BAMBA["hidden_size"])
@@ -66,11 +94,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--active-vocab", default="", help="LO:HI - the LM head scores only these ids")
     args = p.parse_args(argv)
     active = tuple(int(v) for v in args.active_vocab.split(":")) if args.active_vocab else None
+    attn = [int(i) for i in args.attn_layers.split(",") if i]
+    if args.family == "bamba":
+        layout = {"attn_layer_indices": attn,
+                  "mamba_d_head": 2 * args.hidden_size // TINY_BAMBA["mamba_n_heads"]}
+    else:
+        layout = {"layer_types": ["full_attention" if i in attn else "linear_attention"
+                                  for i in range(args.layers)]}
     out = make_tiny_hybrid(
-        args.out_dir, args.vocab_from, args.seed, active, hidden_size=args.hidden_size,
-        num_hidden_layers=args.layers, intermediate_size=2 * args.hidden_size,
-        attn_layer_indices=[int(i) for i in args.attn_layers.split(",") if i],
-        mamba_d_head=2 * args.hidden_size // TINY_BAMBA["mamba_n_heads"])
+        args.out_dir, args.vocab_from, args.seed, active, args.family,
+        hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+        intermediate_size=2 * args.hidden_size, **layout)
     print(out)
 
 

@@ -91,7 +91,7 @@ class MambaStatePath:
     def forward(self, mixer: Mamba2Mixer, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
         """xbc [T, C], dt [T, nh] of the planned forward -> y [T, nh*hd] fp32; reads and writes
         this layer's states in the pool."""
-        pool, layer = self.pool, mixer.mamba_index
+        pool, layer = self.pool, mixer.state_index
         y = torch.empty(xbc.shape[0], mixer.cfg.intermediate_size, dtype=torch.float32,
                         device=xbc.device)
         for g in self._plan.groups:

@@ -171,11 +171,11 @@ class GatedRMSNorm(nn.Module):
 
 class Mamba2Mixer(nn.Module):
     """in_proj -> [z | xBC | dt]; causal conv + SSM over xBC (states through the state backend);
-    gated norm with z; out_proj. `mamba_index` is this layer's index in the state pool."""
+    gated norm with z; out_proj. `state_index` is this layer's index in the state pool."""
 
-    def __init__(self, cfg: Mamba2Config, mamba_index: int) -> None:
+    def __init__(self, cfg: Mamba2Config, state_index: int) -> None:
         super().__init__()
-        self.cfg, self.mamba_index = cfg, mamba_index
+        self.cfg, self.state_index = cfg, state_index
         inner, nh = cfg.intermediate_size, cfg.num_heads
         self.in_proj = Linear(cfg.hidden_size, inner + cfg.conv_dim + nh, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim,

@@ -45,3 +45,18 @@ class RMSNorm(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(x + residual), x + residual), the add fused into the norm on CUDA."""
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm with a zero-centred weight (Qwen3.5, Qwen3-Next): x / rms(x) * (1 + weight), all in
+    fp32, cast back to the input dtype at the end."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)

@@ -11,6 +11,11 @@ def _bamba(raw: dict) -> tuple[type, object]:
     return build(raw)
 
 
+def _qwen3_5(raw: dict) -> tuple[type, object]:
+    from runtime.models.qwen3_5 import build
+    return build(raw)
+
+
 def _deepseek(raw: dict) -> tuple[type, object]:
     from runtime.models.deepseek import build
     return build(raw)
@@ -18,6 +23,7 @@ def _deepseek(raw: dict) -> tuple[type, object]:
 
 FAMILIES: dict[str, Callable[[dict], tuple[type, object]]] = {
     "bamba": _bamba,
+    "qwen3_5_text": _qwen3_5,
     "deepseek_v2": _deepseek,
     "deepseek_v3": _deepseek,
 }

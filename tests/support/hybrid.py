@@ -1,4 +1,4 @@
-"""Hybrid (Mamba2 + attention) test support: tiny checkpoints, transformers' reference, and
+"""Hybrid (Mamba2 or Gated DeltaNet + attention) test support: tiny checkpoints, transformers' reference, and
 sequences driven straight through TargetWorker.forward (prefill, decode, verify, commit)."""
 from __future__ import annotations
 
@@ -13,12 +13,26 @@ from runtime.kv_cache import PageTable
 from services.target.worker import TargetWorker
 from support.target_client import TargetClient
 
-__all__ = ["HybridSeq", "forward_many", "hf_greedy", "hf_logits", "hf_model", "make_tiny_hybrid"]
+__all__ = ["HybridSeq", "attention_at", "forward_many", "hf_greedy", "hf_logits", "hf_model", "make_tiny_hybrid"]
 
 
 def hf_model(model_dir: str | Path):
-    from transformers import BambaForCausalLM
-    return BambaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    """transformers' model of the checkpoint's family (Bamba, Qwen3.5), fp32."""
+    import json
+
+    import transformers
+    model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    cls = {"bamba": "BambaForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}[model_type]
+    return getattr(transformers, cls).from_pretrained(str(model_dir),
+                                                      dtype=torch.float32).eval()
+
+
+def attention_at(family: str, layers: int, attn: list[int]) -> dict:
+    """config.json fields putting full attention at layers `attn` (the rest recurrent)."""
+    if family == "bamba":
+        return {"num_hidden_layers": layers, "attn_layer_indices": attn}
+    return {"num_hidden_layers": layers, "layer_types": [
+        "full_attention" if i in attn else "linear_attention" for i in range(layers)]}
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
