@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -78,15 +78,21 @@ def _split_sizes(module: nn.Module, fused: str) -> list[int]:
 
 def load_weights(model: nn.Module, path: str | Path, strip_prefix: str = "model.",
                  ignore: tuple[str, ...] = ("rotary_emb.inv_freq",),
-                 dtype: torch.dtype | None = None) -> None:
-    """Copy checkpoint tensors into `model`'s parameters; every parameter must be filled."""
+                 dtype: torch.dtype | None = None, skip: tuple[str, ...] = (),
+                 convert: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
+                 | None = None) -> None:
+    """Copy checkpoint tensors into `model`'s parameters; every parameter must be filled.
+    ignore: name suffixes left out; skip: name prefixes left out (parts of the checkpoint the
+    model does not serve: a vision tower, multi-token-prediction layers); convert: a tensor
+    stored in another layout -> the tensors the model names (Qwen3-Next's fused projections)."""
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     for name, tensor in iter_tensors(path):
-        if any(name.endswith(s) for s in ignore):
+        if any(name.endswith(s) for s in ignore) or name.startswith(skip):
             continue
-        target = name[len(strip_prefix):] if name.startswith(strip_prefix) else name
-        _copy_one(model, params, filled, target, name, tensor)
+        for part, value in convert(name, tensor) if convert else [(name, tensor)]:
+            target = part.removeprefix(strip_prefix)
+            _copy_one(model, params, filled, target, part, value)
     missing = [n for n, p in params.items() if filled.get(n, 0) < _expected_fills(n)]
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for: {missing[:8]}"

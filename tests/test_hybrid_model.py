@@ -1,5 +1,6 @@
-"""The hybrid models (Bamba: Mamba2 + attention; Qwen3.5: Gated DeltaNet + gated attention)
-against transformers' implementations, on random-initialised tiny checkpoints, fp32: prefill at
+"""The hybrid models (Bamba: Mamba2 + attention; Qwen3.5: Gated DeltaNet + gated attention;
+Qwen3-Next: Qwen3.5's layers with MoE and fused checkpoint projections) against transformers'
+implementations, on random-initialised tiny checkpoints, fp32: prefill at
 lengths around the scans' chunk sizes (Bamba 8 tokens, Qwen3.5 64), chunked prefill,
 step-by-step decoding, mixed batches; the chunked scans against their recurrences; and
 checkpoint checks."""
@@ -27,7 +28,7 @@ from runtime.models.registry import load_model
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["bamba", "qwen3_5"])
+@pytest.fixture(scope="module", params=["bamba", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def family(request):
     return request.param
 
@@ -179,3 +180,45 @@ def test_a_qwen3_5_layout_the_project_does_not_know_fails_naming_the_field(tmp_p
     with pytest.raises(ValueError, match="linear_num_value_heads 3 is not a multiple of "
                                          "linear_num_key_heads 2"):
         load_model(heads)
+
+
+def test_the_text_model_of_a_multimodal_qwen3_5_checkpoint_loads_and_matches(tmp_path):
+    """The checkpoints Qwen publishes are Qwen3_5ForConditionalGeneration: the text model under
+    model.language_model.*, beside a vision tower (not loaded). Their text logits match."""
+    src = make_tiny_hybrid(tmp_path / "mm", family="qwen3_5_multimodal")
+    assert json.loads((src / "config.json").read_text())["model_type"] == "qwen3_5"
+    w = loaded_worker(src, state_slots=2, max_block_size=4)
+    ids = prompt(20, seed=5)
+    seq = HybridSeq(w, "mm")
+    try:
+        ours = seq.run(ids)
+    finally:
+        seq.release()
+    assert (ours - hf_logits(hf_model(src), ids)).abs().max().item() <= TOL
+
+
+def test_experts_stored_stacked_load_as_per_expert_ones(tmp_path):
+    """transformers 5 keeps a MoE layer's experts as two stacked tensors (experts.gate_up_proj
+    [E, 2I, H], experts.down_proj [E, H, I]); a checkpoint saved that way loads into the same
+    model as the per-expert layout (same logits)."""
+    from safetensors.torch import load_file, save_file
+    src = make_tiny_hybrid(tmp_path / "per_expert", family="qwen3_5_moe")
+    stacked = _with_config(src, tmp_path / "stacked")
+    tensors = load_file(str(src / "model.safetensors"))
+    for layer in range(4):
+        stem = f"model.layers.{layer}.mlp.experts"
+        n = sum(1 for k in tensors if k.startswith(stem) and k.endswith(".down_proj.weight"))
+        gate_up = [torch.cat([tensors.pop(f"{stem}.{e}.gate_proj.weight"),
+                              tensors.pop(f"{stem}.{e}.up_proj.weight")]) for e in range(n)]
+        tensors[f"{stem}.gate_up_proj"] = torch.stack(gate_up)
+        tensors[f"{stem}.down_proj"] = torch.stack(
+            [tensors.pop(f"{stem}.{e}.down_proj.weight") for e in range(n)])
+    save_file(tensors, str(stacked / "model.safetensors"), metadata={"format": "pt"})
+    ids = torch.tensor(prompt(12, seed=6))
+    logits = []
+    for d in (src, stacked):
+        w = loaded_worker(d, state_slots=2, max_block_size=4)
+        seq = HybridSeq(w, "s")
+        logits.append(seq.run(ids.tolist()))
+        seq.release()
+    assert torch.equal(logits[0], logits[1])

@@ -31,7 +31,16 @@ TINY_QWEN3_5: dict[str, Any] = {
                         "partial_rotary_factor": 0.25},
     "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     "initializer_range": 0.1, "tie_word_embeddings": False}
-FAMILIES = ("bamba", "qwen3_5")
+# Qwen3-Next: the same layers, MoE from layer 1 on (4 experts, 2 per token, a gated shared one)
+TINY_QWEN3_NEXT: dict[str, Any] = {
+    **TINY_QWEN3_5, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+    "norm_topk_prob": True}
+# Qwen3.5-MoE: Qwen3.5's layers, every one with MoE (the router always renormalises)
+TINY_QWEN3_5_MOE: dict[str, Any] = {
+    **TINY_QWEN3_5, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48}
+FAMILIES = ("bamba", "qwen3_5", "qwen3_5_multimodal", "qwen3_5_moe", "qwen3_next")
 
 
 def make_tiny_hybrid(out_dir: str | Path, vocab_from: str | Path | None = None, seed: int = 0,
@@ -61,6 +70,20 @@ def _hf_model(family: str, fields: dict[str, Any]):
     if family == "qwen3_5":
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
         return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TINY_QWEN3_5, **fields})).eval()
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+        return Qwen3NextForCausalLM(Qwen3NextConfig(**{**TINY_QWEN3_NEXT, **fields})).eval()
+    if family == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+        return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{**TINY_QWEN3_5_MOE, **fields})).eval()
+    if family == "qwen3_5_multimodal":         # the layout Qwen publishes: text + vision tower
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+        text = {**TINY_QWEN3_5, **fields}
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                  "out_hidden_size": text["hidden_size"], "num_position_embeddings": 16}
+        cfg = Qwen3_5Config(text_config=text, vision_config=vision,
+                            tie_word_embeddings=text["tie_word_embeddings"])
+        return Qwen3_5ForConditionalGeneration(cfg).eval()
     raise ValueError(f"family {family!r}: one of {FAMILIES}")
 
 
@@ -80,6 +103,8 @@ def _randomise_recurrent_parameters(model, seed: int) -> None:
         for name, p in model.named_parameters():
             if "norm" in name and not p.abs().sum():          # zero-centred norm weights
                 uniform(p, -0.3, 0.3)
+            elif name.endswith("mlp.gate.weight") and not p.abs().sum():   # a router at 0
+                uniform(p, -0.5, 0.5)                          # ties every expert
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 from runtime.config import ModelConfig, yarn_mscale
 from runtime.kv_cache import KVLayout
 from runtime.layers.linear import Linear
-from runtime.layers.mlp import GatedMLP, silu_and_mul
+from runtime.layers.moe import MoE, MoEConfig
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rope import RotaryEmbedding
 from runtime.models.dense import DecoderLayer, DenseDecoder
@@ -76,6 +76,16 @@ class MLAConfig:
 
     def is_moe(self, layer: int) -> bool:
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+
+    @property
+    def moe(self) -> MoEConfig:
+        return MoEConfig(
+            hidden_size=self.base.hidden_size, n_routed_experts=self.n_routed_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor, router=self.router,
+            group_limited=self.group_limited, n_group=self.n_group, topk_group=self.topk_group,
+            shared_intermediate_size=self.moe_intermediate_size * self.n_shared_experts)
 
     @staticmethod
     def from_hf(raw: dict[str, Any]) -> MLAConfig:
@@ -204,110 +214,13 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(-1, self.nh * self.dv))
 
 
-class Router(nn.Module):
-    """x [T, H] -> (weights [T, k] fp32, expert ids [T, k]). Scores in fp32 as transformers."""
-
-    def __init__(self, cfg: MLAConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.base.hidden_size))
-        self.e_score_correction_bias = (nn.Parameter(torch.zeros(cfg.n_routed_experts))
-                                        if cfg.router == "sigmoid" else None)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
-        if cfg.router == "sigmoid":
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias.float()
-            group_score = choice.unflatten(-1, (cfg.n_group, -1)).topk(2, dim=-1)[0].sum(-1)
-            masked = float("-inf")
-        else:
-            scores = choice = logits.softmax(dim=-1)
-            group_score = choice.unflatten(-1, (cfg.n_group, -1)).amax(-1)
-            masked = 0.0
-        if cfg.group_limited:
-            keep = torch.zeros_like(group_score, dtype=torch.bool)
-            keep.scatter_(1, group_score.topk(cfg.topk_group, dim=-1)[1], True)
-            keep = keep.repeat_interleave(cfg.n_routed_experts // cfg.n_group, dim=-1)
-            choice = choice.masked_fill(~keep, masked)
-        ids = choice.topk(cfg.num_experts_per_tok, dim=-1)[1]
-        weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
-
-
-class MoE(nn.Module):
-    """Routed experts (each a SwiGLU MLP; checkpoint names experts.N.{gate,up,down}_proj) plus
-    the shared experts (one SwiGLU of n_shared_experts x moe_intermediate_size).
-
-    The experts' weights live in two stacked tensors ([E, 2I, H] and [E, H, I], built once the
-    model is materialised: init_buffers); each expert's parameters are views into them, so the
-    checkpoint fills both. Two forwards: the reference loop (each expert on its own tokens, in
-    id order, as transformers sums them; the CPU) and one grouped GEMM per projection over the
-    tokens sorted by expert (torch._grouped_mm, no host sync; CUDA)."""
-
-    def __init__(self, cfg: MLAConfig) -> None:
-        super().__init__()
-        h, inter = cfg.base.hidden_size, cfg.moe_intermediate_size
-        self.gate = Router(cfg)
-        self.experts = nn.ModuleList(GatedMLP(h, inter) for _ in range(cfg.n_routed_experts))
-        self.shared_experts = (GatedMLP(h, inter * cfg.n_shared_experts)
-                               if cfg.n_shared_experts else None)
-        self._w13: torch.Tensor | None = None
-        self._w2: torch.Tensor | None = None
-
-    def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """Stack the experts' weights and make each expert's parameters views into the stacks
-        (after materialisation, before the weights are loaded)."""
-        if self.experts[0].down_proj.weight.device.type == "meta":
-            return
-        self._w13 = torch.stack([e.gate_up_proj.weight.data for e in self.experts])
-        self._w2 = torch.stack([e.down_proj.weight.data for e in self.experts])
-        for i, e in enumerate(self.experts):
-            e.gate_up_proj.weight.data = self._w13[i]
-            e.down_proj.weight.data = self._w2[i]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
-        weights, ids = self.gate(x)
-        out = self._grouped(x, weights, ids) if x.is_cuda else self._loop(x, weights, ids)
-        return out + self.shared_experts(x) if self.shared_experts is not None else out
-
-    def _loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Experts in id order, each on its own tokens (as transformers sums them, so fp32
-        results match it closely)."""
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            y = self.experts[e](x[token]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(x.dtype))
-        return out
-
-    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The T*k (token, expert) pairs sorted by expert; one grouped GEMM per projection
-        (offsets: each expert's end in the sorted rows); no host sync."""
-        k = ids.shape[1]
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.zeros(len(self.experts), dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-        offs = counts.cumsum(0, dtype=torch.int32)
-        token = order // k
-        h = torch._grouped_mm(x[token], self._w13.transpose(-2, -1), offs=offs)
-        y = torch._grouped_mm(silu_and_mul(h), self._w2.transpose(-2, -1), offs=offs)
-        y = y * weights.flatten()[order, None].to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
-
-
 class DeepseekDecoder(DenseDecoder):
     """DeepSeek-V2/V3 as a dense decoder whose layers hold MLA attention and (from
     first_k_dense_replace on) MoE feed-forward layers; capture, norms and logits are shared."""
 
     def __init__(self, cfg: MLAConfig) -> None:
         base = cfg.base
-        layers = [DecoderLayer(base, i, MLAAttention(cfg, i), MoE(cfg) if cfg.is_moe(i) else None)
+        layers = [DecoderLayer(base, i, MLAAttention(cfg, i), MoE(cfg.moe) if cfg.is_moe(i) else None)
                   for i in range(base.num_layers)]
         super().__init__(base, layers,
                          RotaryEmbedding(cfg.qk_rope_head_dim, base.max_position, base.rope))

@@ -16,6 +16,11 @@ def _qwen3_5(raw: dict) -> tuple[type, object]:
     return build(raw)
 
 
+def _qwen3_next(raw: dict) -> tuple[type, object]:
+    from runtime.models.qwen3_next import build
+    return build(raw)
+
+
 def _deepseek(raw: dict) -> tuple[type, object]:
     from runtime.models.deepseek import build
     return build(raw)
@@ -23,7 +28,11 @@ def _deepseek(raw: dict) -> tuple[type, object]:
 
 FAMILIES: dict[str, Callable[[dict], tuple[type, object]]] = {
     "bamba": _bamba,
+    "qwen3_5": _qwen3_5,
     "qwen3_5_text": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5,
+    "qwen3_5_moe_text": _qwen3_5,
+    "qwen3_next": _qwen3_next,
     "deepseek_v2": _deepseek,
     "deepseek_v3": _deepseek,
 }

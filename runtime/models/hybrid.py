@@ -23,6 +23,7 @@ from runtime.config import ModelConfig
 from runtime.kv_cache import KVLayout
 from runtime.layers.linear import Linear, linear
 from runtime.layers.mlp import GatedMLP
+from runtime.layers.moe import MoE, MoEConfig
 from runtime.layers.rope import RotaryEmbedding
 from runtime.models.forward import ForwardBatch, ForwardOutput
 from runtime.state_pool import MambaStatePool, StateConfig
@@ -39,6 +40,8 @@ class HybridConfig:
     base: ModelConfig
     state: StateConfig
     layer_types: tuple[str, ...]
+    moe: MoEConfig | None = None        # the MoE layers' experts (Qwen3-Next) ...
+    moe_layers: frozenset[int] = frozenset()   # ... and which layers are MoE (else SwiGLU)
 
     @property
     def tie_word_embeddings(self) -> bool:
@@ -95,6 +98,8 @@ class HybridLayer(nn.Module):
 
 class HybridForCausalLM(nn.Module):
     hybrid = True
+    checkpoint_prefix = "model."        # the decoder's tensors: <prefix>layers.N..., <prefix>norm
+    checkpoint_skip: tuple[str, ...] = ()   # prefixes of tensors it does not serve
 
     def __init__(self, cfg: HybridConfig, family: HybridFamily) -> None:
         super().__init__()
@@ -153,7 +158,8 @@ class HybridForCausalLM(nn.Module):
         mixer = self.family.mixer_name
         found: dict[int, set[str]] = {}
         for name in tensor_names(path):
-            m = re.match(rf"model\.layers\.(\d+)\.({mixer}|self_attn)\.", name)
+            m = re.match(rf"{re.escape(self.checkpoint_prefix)}layers\.(\d+)\.({mixer}|self_attn)\.",
+                         name)
             if m:
                 found.setdefault(int(m.group(1)), set()).add(m.group(2))
         types = self.hybrid_cfg.layer_types
@@ -201,6 +207,7 @@ def _layer(family: HybridFamily, cfg: HybridConfig, layer_id: int, rank: int) ->
     base, kind = cfg.base, cfg.layer_types[layer_id]
     mixer = (family.attention(base, rank) if kind == ATTENTION
              else family.recurrent(cfg.state, rank))
+    mlp = (MoE(cfg.moe) if layer_id in cfg.moe_layers
+           else GatedMLP(base.hidden_size, base.intermediate_size))
     return HybridLayer(family, kind, family.norm(base.hidden_size, base.rms_norm_eps),
-                       mixer, family.norm(base.hidden_size, base.rms_norm_eps),
-                       GatedMLP(base.hidden_size, base.intermediate_size))
+                       mixer, family.norm(base.hidden_size, base.rms_norm_eps), mlp)

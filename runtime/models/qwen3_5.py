@@ -3,7 +3,11 @@ gated full-attention layers, each followed by a SwiGLU MLP; the layer kinds from
 (by default three linear-attention layers, then one full-attention layer). The full attention
 has an output gate (q_proj gives each head's query and gate side by side), per-head q/k norms
 and a partial rotary embedding; every RMSNorm but the DeltaNet's gated one has a zero-centred
-weight. Checkpoint names follow transformers' Qwen3_5ForCausalLM (model_type qwen3_5_text)."""
+weight. Qwen3.5-MoE: the same with mixture-of-experts feed-forward layers. Checkpoint names
+follow transformers' Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM (model_type qwen3_5_text,
+qwen3_5_moe_text), or the text model of their ...ForConditionalGeneration (qwen3_5,
+qwen3_5_moe: the checkpoints Qwen publishes; the vision tower and the multi-token-prediction
+layers are not loaded)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -15,6 +19,7 @@ from torch import nn
 from runtime.config import ModelConfig
 from runtime.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from runtime.layers.linear import Linear
+from runtime.layers.moe import MoEConfig, split_stacked_experts
 from runtime.layers.norm import OffsetRMSNorm
 from runtime.layers.rope import RotaryEmbedding
 from runtime.models.forward import ForwardBatch
@@ -28,6 +33,12 @@ from runtime.models.hybrid import (
 
 
 def qwen3_5_config(raw: dict[str, Any]) -> HybridConfig:
+    """A text config (qwen3_5_text), or a multimodal one (qwen3_5) by its text_config."""
+    if "text_config" in raw:
+        text = dict(raw["text_config"])
+        text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        cfg = qwen3_5_config(text)
+        return replace(cfg, base=replace(cfg.base, raw=raw))
     if raw.get("mlp_bias"):
         raise ValueError("qwen3_5 checkpoints with mlp_bias are not supported")
     layers = int(raw["num_hidden_layers"])
@@ -46,7 +57,28 @@ def qwen3_5_config(raw: dict[str, Any]) -> HybridConfig:
         num_v_heads=int(raw["linear_num_value_heads"]),
         head_k_dim=int(raw["linear_key_head_dim"]), head_v_dim=int(raw["linear_value_head_dim"]),
         conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)), norm_eps=base.rms_norm_eps)
-    return HybridConfig(base, state, types)
+    return _with_experts(HybridConfig(base, state, types), raw)
+
+
+def _with_experts(cfg: HybridConfig, raw: dict[str, Any]) -> HybridConfig:
+    """MoE models (Qwen3.5-MoE, Qwen3-Next: num_experts > 0): every decoder_sparse_step-th
+    layer not in mlp_only_layers routes softmax top-k over its experts, plus one shared expert
+    scaled by sigmoid(shared_expert_gate x)."""
+    experts = int(raw.get("num_experts") or 0)
+    if not experts:
+        return cfg
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = set(raw.get("mlp_only_layers") or [])
+    moe = MoEConfig(
+        hidden_size=cfg.base.hidden_size, n_routed_experts=experts,
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(raw["moe_intermediate_size"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+        shared_name="shared_expert", shared_gate=True)
+    layers = frozenset(i for i in range(cfg.base.num_layers)
+                       if i not in dense and (i + 1) % step == 0)
+    return replace(cfg, moe=moe, moe_layers=layers)
 
 
 class GatedAttention(nn.Module):
@@ -86,6 +118,16 @@ FAMILY = HybridFamily(attention=GatedAttention, recurrent=GatedDeltaNet, norm=Of
 class Qwen3_5ForCausalLM(HybridForCausalLM):
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__(cfg, FAMILY)
+        # the multi-token-prediction layers are not served; a multimodal checkpoint's text
+        # model is model.language_model.*, beside its vision tower
+        multimodal = "text_config" in cfg.base.raw
+        self.checkpoint_prefix = "model.language_model." if multimodal else "model."
+        self.checkpoint_skip = ("mtp.", "model.visual.")
+
+    def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor
+                                  ) -> list[tuple[str, torch.Tensor]]:
+        """Experts stored stacked (one [E, ...] tensor per projection) -> per expert."""
+        return split_stacked_experts(name, tensor)
 
 
 def build(raw: dict[str, Any]) -> tuple[type[nn.Module], HybridConfig]:

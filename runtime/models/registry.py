@@ -46,7 +46,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         check(path)
     ignore = ("rotary_emb.inv_freq", *KV_SCALE_SUFFIXES) + (
         ("lm_head.weight",) if getattr(cfg, "tie_word_embeddings", False) else ())
-    load_weights(model, path, ignore=ignore)
+    # a model whose decoder is not model.* (a multimodal checkpoint's text model) says where
+    # (another layout of some tensors: the model converts them)
+    load_weights(model, path, strip_prefix=getattr(model, "checkpoint_prefix", "model."),
+                 ignore=ignore, skip=getattr(model, "checkpoint_skip", ()),
+                 convert=getattr(model, "convert_checkpoint_tensor", None))
     model.eval().requires_grad_(False)
     return model
 
