@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runtime.config import parse_dtype, read_config_json
+from runtime.config import parse_dtype, read_config_json, text_config
 from runtime.models.dflash import (
     DFlashConfig,
     DFlashDraftModel,
@@ -44,7 +44,7 @@ def make_random_drafter(target_dir: str | Path, out_dir: str | Path, *, num_laye
                         dtype: str = "float32") -> Path:
     """Writes config.json + model.safetensors to out_dir and returns it. ValueError on a bad
     argument (layer ids, mask id, sizes), saying what is allowed."""
-    raw = read_config_json(target_dir)
+    raw = text_config(read_config_json(target_dir))
     fp = TargetFingerprint.of_target(target_dir)
     ids = list(target_layer_ids) if target_layer_ids else build_target_layer_ids(
         fp.num_layers, num_layers)
@@ -102,7 +102,7 @@ def _attention_shape(target: dict[str, Any], fp: TargetFingerprint, heads: int
 
 def default_mask_token_id(target_dir: str | Path) -> int:
     """See the module docstring for the rules."""
-    raw = read_config_json(target_dir)
+    raw = text_config(read_config_json(target_dir))
     vocab = int(raw["vocab_size"])
     file = Path(target_dir) / "tokenizer.json"
     if not file.is_file():

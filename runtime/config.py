@@ -169,6 +169,20 @@ def default_model_id(model_dir: str | Path) -> str:
     return path.parent.name if path.name in DTYPES else path.name
 
 
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model's fields: a multimodal config's text_config (Qwen3.5 as Qwen publishes
+    it; tie_word_embeddings from the top level unless it sets its own), else the config."""
+    if "text_config" not in raw:
+        return raw
+    return {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **raw["text_config"]}
+
+
+def decoder_prefix(raw: dict[str, Any]) -> str:
+    """Where the text decoder's tensors are in the checkpoint: model.language_model.* in a
+    multimodal one, model.* otherwise."""
+    return "model.language_model." if "text_config" in raw else "model."
+
+
 def read_config_json(path: str | Path) -> dict[str, Any]:
     file = Path(path) / "config.json"
     if not file.is_file():

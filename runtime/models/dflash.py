@@ -4,8 +4,9 @@ Checkpoint: `config.json` with Qwen3 layer fields (hidden_size, num_hidden_layer
 intermediate_size, rms_norm_eps, rope_theta / rope_scaling, optional layer_types + sliding_window),
 `block_size` and `dflash_config` {target_layer_ids, mask_token_id} (either key may also sit at the
 top level); safetensors `layers.N.*` (Qwen3 names), `fc.weight` [H, K*H], `hidden_norm.weight`,
-`norm.weight`. No embedding and no LM head: `TargetHead` reads `model.embed_tokens.weight` and
-`lm_head.weight` (tied targets: the embedding) from the target's directory, and nothing else.
+`norm.weight`. No embedding and no LM head: `TargetHead` reads `model.embed_tokens.weight` (a
+multimodal target's `model.language_model.embed_tokens.weight`) and `lm_head.weight` (tied
+targets: the embedding) from the target's directory, and nothing else.
 Our own tools add `target_fingerprint` {vocab_size, hidden_size, num_layers, tokenizer_hash}, and
 may add `dflash_config.layer_passes` P (default 1): the block runs through the layer stack P times
 with the same weights (z-lab's code would run it once: such a checkpoint is ours only). A layer's
@@ -50,7 +51,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from runtime.config import ModelConfig, read_config_json
+from runtime.config import ModelConfig, decoder_prefix, read_config_json, text_config
 from runtime.layers.linear import Linear, linear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rope import RotaryEmbedding
@@ -105,7 +106,7 @@ class TargetFingerprint:
 
     @staticmethod
     def of_target(target_dir: str | Path) -> TargetFingerprint:
-        raw = read_config_json(target_dir)
+        raw = text_config(read_config_json(target_dir))
         return TargetFingerprint(int(raw["vocab_size"]), int(raw["hidden_size"]),
                                  int(raw["num_hidden_layers"]),
                                  tokenizer_fingerprint(str(target_dir)))
@@ -293,19 +294,21 @@ class TargetHead:
     @staticmethod
     def load(target_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
              random_weights: bool = False) -> TargetHead:
-        raw = read_config_json(target_dir)
+        full = read_config_json(target_dir)
+        raw = text_config(full)
         tied = bool(raw.get("tie_word_embeddings", False))
         if random_weights:
             shape = (int(raw["vocab_size"]), int(raw["hidden_size"]))
             embed = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02)
             return TargetHead(embed, embed if tied else torch.empty_like(embed).normal_(0.0, 0.02))
-        names = {EMBED_NAME} if tied else {EMBED_NAME, LM_HEAD_NAME}
+        embed_name = decoder_prefix(full) + EMBED_NAME.removeprefix("model.")
+        names = {embed_name} if tied else {embed_name, LM_HEAD_NAME}
         found = read_tensors(target_dir, names)
         missing = sorted(names - set(found))
         if missing:
             raise ValueError(f"target checkpoint {target_dir} lacks {missing} "
                              f"(tie_word_embeddings={tied})")
-        embed = found[EMBED_NAME].to(device=device, dtype=dtype)
+        embed = found[embed_name].to(device=device, dtype=dtype)
         head = embed if tied else found[LM_HEAD_NAME].to(device=device, dtype=dtype)
         return TargetHead(embed, head)
 

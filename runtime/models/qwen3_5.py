@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.config import ModelConfig
+from runtime.config import ModelConfig, decoder_prefix, text_config
 from runtime.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from runtime.layers.linear import Linear
 from runtime.layers.moe import MoEConfig, split_stacked_experts
@@ -35,9 +35,7 @@ from runtime.models.hybrid import (
 def qwen3_5_config(raw: dict[str, Any]) -> HybridConfig:
     """A text config (qwen3_5_text), or a multimodal one (qwen3_5) by its text_config."""
     if "text_config" in raw:
-        text = dict(raw["text_config"])
-        text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
-        cfg = qwen3_5_config(text)
+        cfg = qwen3_5_config(text_config(raw))
         return replace(cfg, base=replace(cfg.base, raw=raw))
     if raw.get("mlp_bias"):
         raise ValueError("qwen3_5 checkpoints with mlp_bias are not supported")
@@ -120,8 +118,7 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         super().__init__(cfg, FAMILY)
         # the multi-token-prediction layers are not served; a multimodal checkpoint's text
         # model is model.language_model.*, beside its vision tower
-        multimodal = "text_config" in cfg.base.raw
-        self.checkpoint_prefix = "model.language_model." if multimodal else "model."
+        self.checkpoint_prefix = decoder_prefix(cfg.base.raw)
         self.checkpoint_skip = ("mtp.", "model.visual.")
 
     def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor
