@@ -1,5 +1,6 @@
-"""The hybrid models (Bamba: Mamba2 + attention; Qwen3.5: Gated DeltaNet + gated attention;
-Qwen3-Next: Qwen3.5's layers with MoE and fused checkpoint projections) against transformers'
+"""The hybrid models (Bamba: Mamba2 + attention; Granite-4.0-H: Bamba's layers with MoE and
+Granite's scalings; Qwen3.5: Gated DeltaNet + gated attention; Qwen3.5-MoE; Qwen3-Next:
+Qwen3.5's layers with MoE and fused checkpoint projections) against transformers'
 implementations, on random-initialised tiny checkpoints, fp32: prefill at
 lengths around the scans' chunk sizes (Bamba 8 tokens, Qwen3.5 64), chunked prefill,
 step-by-step decoding, mixed batches; the chunked scans against their recurrences; and
@@ -28,7 +29,8 @@ from runtime.models.registry import load_model
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["bamba", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.fixture(scope="module", params=["bamba", "granitemoehybrid", "qwen3_5", "qwen3_5_moe",
+                                        "qwen3_next"])
 def family(request):
     return request.param
 
@@ -157,7 +159,7 @@ def test_layer_pattern_disagreeing_with_weights_fails_naming_the_layer(family, h
                                                                       tmp_path):
     """config.json says layers 1 and 2 attend; the weights have attention at 1 and 3."""
     bad = _with_config(hybrid_dir, tmp_path / "bad", **attention_at(family, 4, [1, 2]))
-    mixer = "mamba" if family == "bamba" else "linear_attn"
+    mixer = "mamba" if family in ("bamba", "granitemoehybrid") else "linear_attn"
     with pytest.raises(ValueError, match=rf"layer 2 is 'full_attention'.*\['{mixer}'\]"):
         load_model(bad)
 
@@ -182,19 +184,22 @@ def test_a_qwen3_5_layout_the_project_does_not_know_fails_naming_the_field(tmp_p
         load_model(heads)
 
 
+def run_once(model_dir, ids: list[int]) -> torch.Tensor:
+    """The logits of one prefill of ids on a fresh worker of model_dir."""
+    seq = HybridSeq(loaded_worker(model_dir, state_slots=2, max_block_size=4), "once")
+    try:
+        return seq.run(ids)
+    finally:
+        seq.release()
+
+
 def test_the_text_model_of_a_multimodal_qwen3_5_checkpoint_loads_and_matches(tmp_path):
     """The checkpoints Qwen publishes are Qwen3_5ForConditionalGeneration: the text model under
     model.language_model.*, beside a vision tower (not loaded). Their text logits match."""
     src = make_tiny_hybrid(tmp_path / "mm", family="qwen3_5_multimodal")
     assert json.loads((src / "config.json").read_text())["model_type"] == "qwen3_5"
-    w = loaded_worker(src, state_slots=2, max_block_size=4)
     ids = prompt(20, seed=5)
-    seq = HybridSeq(w, "mm")
-    try:
-        ours = seq.run(ids)
-    finally:
-        seq.release()
-    assert (ours - hf_logits(hf_model(src), ids)).abs().max().item() <= TOL
+    assert (run_once(src, ids) - hf_logits(hf_model(src), ids)).abs().max().item() <= TOL
 
 
 def test_experts_stored_stacked_load_as_per_expert_ones(tmp_path):
@@ -214,11 +219,16 @@ def test_experts_stored_stacked_load_as_per_expert_ones(tmp_path):
         tensors[f"{stem}.down_proj"] = torch.stack(
             [tensors.pop(f"{stem}.{e}.down_proj.weight") for e in range(n)])
     save_file(tensors, str(stacked / "model.safetensors"), metadata={"format": "pt"})
-    ids = torch.tensor(prompt(12, seed=6))
-    logits = []
-    for d in (src, stacked):
-        w = loaded_worker(d, state_slots=2, max_block_size=4)
-        seq = HybridSeq(w, "s")
-        logits.append(seq.run(ids.tolist()))
-        seq.release()
-    assert torch.equal(logits[0], logits[1])
+    ids = prompt(12, seed=6)
+    assert torch.equal(run_once(src, ids), run_once(stacked, ids))
+
+
+def test_granite_without_rotary_embeddings_matches_transformers(tmp_path):
+    """Granite-4.0-H's released models set no position_embedding_type: their attention has no
+    rotary embedding at all (NoPE)."""
+    src = make_tiny_hybrid(tmp_path / "g", family="granitemoehybrid")
+    nope = _with_config(src, tmp_path / "nope", position_embedding_type=None)
+    ids = prompt(24, seed=8)
+    ref = hf_logits(hf_model(nope), ids)
+    assert (run_once(nope, ids) - ref).abs().max().item() <= TOL
+    assert (ref - hf_logits(hf_model(src), ids)).abs().max().item() > 10 * TOL   # RoPE mattered

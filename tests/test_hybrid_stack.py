@@ -33,7 +33,7 @@ TARGET_FLAGS = ("--max-block-size", str(BLOCK), "--kv-budget", "64MiB", "--state
 GATEWAY = "dflash.v1.Gateway"
 
 
-@pytest.fixture(scope="module", params=["bamba", "qwen3_5", "qwen3_next"])
+@pytest.fixture(scope="module", params=["bamba", "granitemoehybrid", "qwen3_5", "qwen3_next"])
 def model_dir(tmp_path_factory, smollm2_dir, request):
     return make_tiny_hybrid(tmp_path_factory.mktemp(f"tiny_{request.param}_smol"),
                             vocab_from=smollm2_dir, active_vocab=(1000, 1016),

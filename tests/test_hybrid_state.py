@@ -15,7 +15,7 @@ from runtime.state_pool import MambaStatePool, OutOfStateSlots
 STATE_TOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=["bamba", "qwen3_5", "qwen3_next"])
+@pytest.fixture(scope="module", params=["bamba", "granitemoehybrid", "qwen3_5", "qwen3_next"])
 def hybrid_dir(tmp_path_factory, request):
     return make_tiny_hybrid(tmp_path_factory.mktemp(f"tiny_{request.param}"),
                             family=request.param)

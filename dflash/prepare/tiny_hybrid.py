@@ -40,7 +40,16 @@ TINY_QWEN3_NEXT: dict[str, Any] = {
 TINY_QWEN3_5_MOE: dict[str, Any] = {
     **TINY_QWEN3_5, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 48}
-FAMILIES = ("bamba", "qwen3_5", "qwen3_5_multimodal", "qwen3_5_moe", "qwen3_next")
+# Granite-4.0-H: Bamba's layers, MoE (4 experts, 2 per token) + a shared SwiGLU, Granite's
+# scalings; RoPE here (the released models use none: position_embedding_type unset)
+TINY_GRANITE: dict[str, Any] = {
+    **{k: v for k, v in TINY_BAMBA.items() if k != "attn_layer_indices"},
+    "layer_types": ["mamba", "attention", "mamba", "attention"], "intermediate_size": 32,
+    "shared_intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2,
+    "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+    "logits_scaling": 4.0, "position_embedding_type": "rope"}
+FAMILIES = ("bamba", "granitemoehybrid", "qwen3_5", "qwen3_5_multimodal", "qwen3_5_moe",
+            "qwen3_next")
 
 
 def make_tiny_hybrid(out_dir: str | Path, vocab_from: str | Path | None = None, seed: int = 0,
@@ -70,6 +79,10 @@ def _hf_model(family: str, fields: dict[str, Any]):
     if family == "qwen3_5":
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
         return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TINY_QWEN3_5, **fields})).eval()
+    if family == "granitemoehybrid":
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+        return GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**{**TINY_GRANITE, **fields})
+                                           ).eval()
     if family == "qwen3_next":
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
         return Qwen3NextForCausalLM(Qwen3NextConfig(**{**TINY_QWEN3_NEXT, **fields})).eval()

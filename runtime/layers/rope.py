@@ -104,3 +104,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int) -> t
     rotated = torch.cat([-x2, x1], dim=-1)
     out = (rot.float() * cos + rotated.float() * sin).to(dtype)
     return torch.cat([out, rest], dim=-1) if rest.numel() else out
+
+
+class NoRope(nn.Module):
+    """No rotary embedding (NoPE: Granite-4.0-H's attention layers): q and k as they are."""
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k

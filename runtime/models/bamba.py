@@ -25,7 +25,7 @@ from runtime.models.hybrid import (
 def bamba_config(raw: dict[str, Any]) -> HybridConfig:
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise ValueError("bamba checkpoints with attention_bias or mlp_bias are not supported")
-    hidden, layers = int(raw["hidden_size"]), int(raw["num_hidden_layers"])
+    layers = int(raw["num_hidden_layers"])
     rope = dict(raw.get("rope_parameters") or {})
     # transformers' Bamba always rotates half of each head (partial_rotary_factor 0.5)
     base_raw = {**raw, "model_type": "llama",
@@ -34,6 +34,13 @@ def bamba_config(raw: dict[str, Any]) -> HybridConfig:
     attn = set(raw.get("attn_layer_indices") or [])
     if bad := sorted(i for i in attn if not 0 <= i < layers):
         raise ValueError(f"attn_layer_indices {bad} outside the {layers} layers")
+    types = tuple(ATTENTION if i in attn else RECURRENT for i in range(layers))
+    return HybridConfig(base, mamba2_config(raw, base), types)
+
+
+def mamba2_config(raw: dict[str, Any], base: ModelConfig) -> Mamba2Config:
+    """The mamba_* fields Bamba and Granite-4.0-H share."""
+    hidden = base.hidden_size
     heads = int(raw.get("mamba_n_heads", 128))
     expand = int(raw.get("mamba_expand", 2))
     d_head = raw.get("mamba_d_head", "auto")
@@ -43,15 +50,14 @@ def bamba_config(raw: dict[str, Any]) -> HybridConfig:
         num_groups=int(raw.get("mamba_n_groups", 1)),
         state_size=int(raw.get("mamba_d_state", 256)),
         conv_kernel=int(raw.get("mamba_d_conv", 4)),
-        chunk_size=int(raw.get("mamba_chunk_size", 256)),
+        chunk_size=int(raw.get("mamba_chunk_size") or 256),
         conv_bias=bool(raw.get("mamba_conv_bias", True)),
         proj_bias=bool(raw.get("mamba_proj_bias", False)),
         dt_limit=_dt_limit(raw.get("time_step_limit")), norm_eps=base.rms_norm_eps)
     if mamba.intermediate_size != expand * hidden:
         raise ValueError(f"mamba_n_heads * mamba_d_head = {mamba.intermediate_size} must equal "
                          f"mamba_expand * hidden_size = {expand * hidden}")
-    types = tuple(ATTENTION if i in attn else RECURRENT for i in range(layers))
-    return HybridConfig(base, mamba, types)
+    return mamba
 
 
 def _dt_limit(value: Any) -> tuple[float, float]:

@@ -21,6 +21,11 @@ def _qwen3_next(raw: dict) -> tuple[type, object]:
     return build(raw)
 
 
+def _granite_hybrid(raw: dict) -> tuple[type, object]:
+    from runtime.models.granite_hybrid import build
+    return build(raw)
+
+
 def _deepseek(raw: dict) -> tuple[type, object]:
     from runtime.models.deepseek import build
     return build(raw)
@@ -28,6 +33,7 @@ def _deepseek(raw: dict) -> tuple[type, object]:
 
 FAMILIES: dict[str, Callable[[dict], tuple[type, object]]] = {
     "bamba": _bamba,
+    "granitemoehybrid": _granite_hybrid,
     "qwen3_5": _qwen3_5,
     "qwen3_5_text": _qwen3_5,
     "qwen3_5_moe": _qwen3_5,

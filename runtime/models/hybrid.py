@@ -24,7 +24,7 @@ from runtime.kv_cache import KVLayout
 from runtime.layers.linear import Linear, linear
 from runtime.layers.mlp import GatedMLP
 from runtime.layers.moe import MoE, MoEConfig
-from runtime.layers.rope import RotaryEmbedding
+from runtime.layers.rope import NoRope, RotaryEmbedding
 from runtime.models.forward import ForwardBatch, ForwardOutput
 from runtime.state_pool import MambaStatePool, StateConfig
 from runtime.weights import tensor_names
@@ -42,6 +42,14 @@ class HybridConfig:
     layer_types: tuple[str, ...]
     moe: MoEConfig | None = None        # the MoE layers' experts (Qwen3-Next) ...
     moe_layers: frozenset[int] = frozenset()   # ... and which layers are MoE (else SwiGLU)
+    # Granite's scalings: the embeddings times embedding_multiplier, each residual branch
+    # times residual_multiplier, attention scores times attention_scale (None: 1/sqrt(hd)),
+    # the logits divided by logits_scaling; rope False: no rotary embedding (NoPE)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None
+    logits_scaling: float = 1.0
+    rope: bool = True
 
     @property
     def tie_word_embeddings(self) -> bool:
@@ -75,9 +83,9 @@ class HybridLayer(nn.Module):
     registered under the family's checkpoint names."""
 
     def __init__(self, family: HybridFamily, kind: str, input_norm: nn.Module, mixer: nn.Module,
-                 ff_norm: nn.Module, mlp: nn.Module) -> None:
+                 ff_norm: nn.Module, mlp: nn.Module, residual_scale: float = 1.0) -> None:
         super().__init__()
-        self.kind = kind
+        self.kind, self.residual_scale = kind, residual_scale
         self.mixer_name, self.ff_norm_name, self.mlp_name = (
             family.mixer_name, family.ff_norm_name, family.mlp_name)
         self.input_layernorm = input_norm
@@ -90,10 +98,14 @@ class HybridLayer(nn.Module):
         """x [T, H]: the residual stream before this layer -> after it."""
         h = self.input_layernorm(x)
         if self.kind == ATTENTION:
-            x = x + self.self_attn(h, positions, rope, batch)
+            h = self.self_attn(h, positions, rope, batch)
         else:
-            x = x + getattr(self, self.mixer_name)(h, states)
-        return x + getattr(self, self.mlp_name)(getattr(self, self.ff_norm_name)(x))
+            h = getattr(self, self.mixer_name)(h, states)
+        x = x + self._scaled(h)
+        return x + self._scaled(getattr(self, self.mlp_name)(getattr(self, self.ff_norm_name)(x)))
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        return branch if self.residual_scale == 1.0 else branch * self.residual_scale
 
 
 class HybridForCausalLM(nn.Module):
@@ -115,7 +127,8 @@ class HybridForCausalLM(nn.Module):
         setattr(self, family.final_norm_name, family.norm(base.hidden_size, base.rms_norm_eps))
         self.lm_head = None if base.tie_word_embeddings else Linear(
             base.hidden_size, base.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(base.head_dim, base.max_position, base.rope)
+        self.rope = (RotaryEmbedding(base.head_dim, base.max_position, base.rope) if cfg.rope
+                     else NoRope())
         self.state_backend: MambaStatePath | None = None
 
     # -- what the target worker asks of a hybrid model ----------------------------------------
@@ -131,8 +144,9 @@ class HybridForCausalLM(nn.Module):
     @property
     def kv_layout(self) -> KVLayout:
         c = self.cfg
+        scale = self.hybrid_cfg.attention_scale
         return KVLayout(self.num_attention_layers, c.num_heads, c.num_kv_heads, c.head_dim,
-                        c.head_dim ** -0.5)
+                        c.head_dim ** -0.5 if scale is None else scale)
 
     def make_state_pool(self, num_slots: int, max_block_size: int, device: torch.device | str,
                         num_verify_slots: int | None = None) -> MambaStatePool:
@@ -189,6 +203,8 @@ class HybridForCausalLM(nn.Module):
             raise RuntimeError("a hybrid model runs under a HybridAttnBackend with a mamba state "
                                "backend (TargetWorker.init_attention_backends builds one)")
         x = self.embed_tokens(input_ids)
+        if self.hybrid_cfg.embedding_multiplier != 1.0:
+            x = x * self.hybrid_cfg.embedding_multiplier
         wanted = {layer: None for layer in batch.capture_layers}
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, self.rope, batch, states)
@@ -199,7 +215,9 @@ class HybridForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in fp32."""
-        return linear(hidden, self.lm_head_weight).float()
+        logits = linear(hidden, self.lm_head_weight).float()
+        scaling = self.hybrid_cfg.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling
 
 
 def _layer(family: HybridFamily, cfg: HybridConfig, layer_id: int, rank: int) -> HybridLayer:
@@ -210,4 +228,5 @@ def _layer(family: HybridFamily, cfg: HybridConfig, layer_id: int, rank: int) ->
     mlp = (MoE(cfg.moe) if layer_id in cfg.moe_layers
            else GatedMLP(base.hidden_size, base.intermediate_size))
     return HybridLayer(family, kind, family.norm(base.hidden_size, base.rms_norm_eps),
-                       mixer, family.norm(base.hidden_size, base.rms_norm_eps), mlp)
+                       mixer, family.norm(base.hidden_size, base.rms_norm_eps), mlp,
+                       cfg.residual_multiplier)

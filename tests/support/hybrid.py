@@ -22,7 +22,8 @@ def hf_model(model_dir: str | Path):
 
     import transformers
     model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
-    cls = {"bamba": "BambaForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+    cls = {"bamba": "BambaForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+           "qwen3_5_text": "Qwen3_5ForCausalLM",
            "qwen3_5": "Qwen3_5ForConditionalGeneration",
            "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"
            }[model_type]
