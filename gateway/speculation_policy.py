@@ -37,6 +37,7 @@ log = logging.getLogger("dflash.gateway.speculation")
 TREE_SIZES = (7, 15, 63)                # the tree sizes auto considers (within the pair's max)
 EXPLORE_EVERY = 32                      # every this many batch decisions, the runner-up runs once
 EXPLORE_RUNS = 3                        # ... unless serving has timed its verify rows this often
+DRAFT_MARGIN = 0.1                      # drafting must promise 10 % more committed tokens/s
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,15 @@ def choose(options: Iterable[Option], cost: CostModel) -> Option:
 
 
 def rank(options: Iterable[Option], cost: CostModel) -> list[Option]:
-    """The options by committed tokens per second, best first (ties: the fewer tokens)."""
+    """The options by committed tokens per second, best first (ties: the fewer tokens). A
+    drafting option must promise DRAFT_MARGIN more than not drafting: its prediction is the
+    less certain (acceptance and Propose cost are estimates), and a mispredicted draft costs
+    more than its own step - at 2+ requests its Propose holds its verify out of the others'
+    batch, so the target runs one more forward."""
     def rate(o: Option) -> float:
         seconds = step_s(o, cost)
-        return o.expected / seconds if seconds > 0 else o.expected
+        r = o.expected / seconds if seconds > 0 else o.expected
+        return r / (1.0 + DRAFT_MARGIN) if o.shape.drafts else r
     return sorted(sorted(options, key=lambda o: o.tokens), key=rate, reverse=True)
 
 

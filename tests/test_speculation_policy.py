@@ -442,3 +442,15 @@ def test_a_propose_s_round_trip_beyond_its_forward_is_its_overhead():
         c.observe_propose(0.003 + 0.008 + 0.001 * rows, rows, forward_s=0.008 + 0.001 * rows)
     assert c.propose_overhead_s == pytest.approx(0.003, rel=0.01)
     assert c.propose_cost(10) == pytest.approx(0.003 + 0.018, rel=0.01)
+
+
+def test_drafting_must_promise_a_margin_over_not_drafting():
+    """A near-tie goes to not drafting (DRAFT_MARGIN): on the EPYC at 2-8 requests the options
+    were within a few % of each other, and the drafts auto then ran cost 18-23 %."""
+    import gateway.speculation_policy as sp
+    c = cost([(1, 0.026), (3, 0.040)])
+    near = [Option(NO_DRAFTING, 1.0), Option(Shape(2), 1.0 / 0.026 * 0.040 * 1.04)]
+    assert choose(near, c).shape == NO_DRAFTING              # 4 % better: not enough
+    clear = [Option(NO_DRAFTING, 1.0), Option(Shape(2), 1.0 / 0.026 * 0.040 * 1.2)]
+    assert choose(clear, c).shape == Shape(2)                # 20 % better: drafts
+    assert sp.DRAFT_MARGIN == pytest.approx(0.1)
