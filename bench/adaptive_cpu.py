@@ -238,22 +238,25 @@ def markdown(r: dict) -> str:
     return "\n".join(lines + ["", notes]) + "\n"
 
 
-NOTES = """Reading it (commit e31774b, with the draft's warm-up Propose curve): auto is 0.88,
-1.01, 0.95, 0.89x the best fixed shape and 0.99, 1.01, 0.95, 0.89x autoregressive at 1, 2, 4, 8
-requests: both goals met at 2 only. At 1 request chain 2 is best (30.4 against 27.1 tokens/s
-autoregressive) and auto drafted in about 1 % of its steps (its histogram: 359 steps verifying
-1.1 tokens on average, 3 trees); from 2 on autoregressive is the best configuration and auto
-hardly drafts (97-98 % of its steps verify the anchor alone), yet it runs 5-11 % below the
-autoregressive stack at 4 and 8: a stack with a draft still pays for the draft on steps that do
-not draft (the target captures the drafter's features on every verify, and they travel and wait
-as the backlog the next Propose appends), which the stack without a draft does not. Never below
-autoregressive needs auto to stop that capture while it does not draft (and rebuild the draft's
-context from the target when it drafts again): next session. Earlier runs, same command: a2d1727
-0.89, 0.97, 0.83, 0.91; 742d993 0.91, 0.96, 0.96, 0.97 (`bench/results/archive/`); autoregressive
-alone has varied 19-30 tokens/s at 1 request between runs of this host. Start-up: the target's
-verify cost calibration is bounded by `--cost-calibration-s` (default 1.5 s), on top of the CPU
-GEMM calibration (1.2-1.3 s on this EPYC); the draft's Propose curve adds 0.4 s (steady Proposes
-of the shipped drafter: 19-21 ms for chains, 21-22 ms for trees of 15)."""
+NOTES = """Reading it (commit 6d2b781, session 32: a batch's Proposes priced as one draft forward of
+all their rows, and drafting must promise 10 % more than not drafting; configurations in
+alternating order each round): auto is 0.95, 0.91, 1.01, 0.81x the best fixed shape and 1.32,
+0.99, 1.01, 0.81x autoregressive at 1, 2, 4, 8 requests - met at 4 only (0.948 at 1). This host
+ran slower than in earlier runs (autoregressive 18.8 tokens/s at 1 request, against 27-28 in the
+run before; load average 1.3 at the start, 2.4 at the end). The run before it, at 044dbbf (the
+batch pricing without the margin; `bench/results/archive/adaptive_cpu_session32_044dbbf.json`):
+0.90, 0.77, 0.82, 0.83x best and 0.97, 0.77, 0.82, 0.83x autoregressive - near-ties went to
+drafting (90 tree steps at 2 requests). What is left is clear at 8 requests: auto verified 1.02
+tokens per step on average (it hardly drafted) and still ran 19 % below the stack without a
+draft - a cost of the drafting stack on steps that do not draft (the target captures the
+drafter's features on every verify and keeps them for a Propose that does not come; the
+gateway carries them as backlog), not of the choice. Next: no capture while auto does not
+draft (the draft's context rebuilt from the target when it drafts again), then measure where
+the 19 % goes. Earlier runs of this command: e31774b 0.88, 1.01, 0.95, 0.89; a2d1727 0.89,
+0.97, 0.83, 0.91; 742d993 0.91, 0.96, 0.96, 0.97 (best fixed; `bench/results/archive/`).
+Start-up: the target's verify cost calibration is bounded by `--cost-calibration-s` (default
+1.5 s), on top of the CPU GEMM calibration (1.2-1.3 s on this EPYC); the draft's Propose curve
+adds 0.4 s."""
 
 
 GPU_NOTES = """Reading it: a miss, and worse than the first GPU run (0.88, 0.85, 0.91, 1.06, 0.73,
