@@ -232,3 +232,12 @@ def test_granite_without_rotary_embeddings_matches_transformers(tmp_path):
     ref = hf_logits(hf_model(nope), ids)
     assert (run_once(nope, ids) - ref).abs().max().item() <= TOL
     assert (ref - hf_logits(hf_model(src), ids)).abs().max().item() > 10 * TOL   # RoPE mattered
+
+
+def test_random_weights_give_zero_centred_norms_a_unit_scale(tmp_path):
+    """Benchmarks' random weights: an RMSNorm's scale is 1 - weight 1 for Bamba's norms,
+    weight 0 for Qwen3.5's zero-centred ones (x / rms(x) * (1 + w))."""
+    for family, want in (("bamba", 1.0), ("qwen3_5", 0.0)):
+        model = load_model(make_tiny_hybrid(tmp_path / family, family=family),
+                           random_weights=True)
+        assert model.layers[0].input_layernorm.weight.unique().tolist() == [want]

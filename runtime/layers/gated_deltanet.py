@@ -110,19 +110,19 @@ def delta_chunked(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     D[t, s] k_t.k_s for s < t; then o_t = exp(G_t) q_t^T S_0 + sum_{s<=t} D[t, s] q_t.k_s u_s
     and S_C = exp(G_C) S_0 + sum_s exp(G_C - G_s) k_s u_s^T."""
     outs = []
+    above = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     for lo in range(0, k.shape[1], chunk):
         sl = slice(lo, lo + chunk)
         qc, kc, vc, gc, bc = (x[:, sl].transpose(1, 2) for x in (q, k, v, g, beta))
         G = gc.cumsum(-1)                                         # [b, nv, C]
         C = G.shape[-1]
         D = (G[..., :, None] - G[..., None, :])
-        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        D = D.masked_fill(~lower, float("-inf")).exp()            # [b, nv, t, s], 0 above
+        D = D.masked_fill(above[:C, :C], float("-inf")).exp()     # [b, nv, t, s], 0 above
         kk = torch.einsum("bhtk,bhsk->bhts", kc, kc) * D
         A = (kk * bc[..., None]).tril(-1)
         rhs = bc[..., None] * (vc - G.exp()[..., None] * torch.einsum("bhtk,bhkv->bhtv", kc, S))
-        eye = torch.eye(C, dtype=q.dtype, device=q.device)
-        u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        # (I + A) u = rhs; unitriangular: A's zero diagonal is read as ones
+        u = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
         qk = torch.einsum("bhtk,bhsk->bhts", qc, kc) * D
         o = G.exp()[..., None] * torch.einsum("bhtk,bhkv->bhtv", qc, S) + qk @ u
         tail = (G[..., -1:] - G).exp()                             # [b, nv, C]

@@ -4,7 +4,6 @@ BambaForCausalLM."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -19,6 +18,8 @@ from runtime.models.hybrid import (
     HybridConfig,
     HybridFamily,
     HybridForCausalLM,
+    base_config,
+    partial_rotary,
 )
 
 
@@ -26,11 +27,8 @@ def bamba_config(raw: dict[str, Any]) -> HybridConfig:
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise ValueError("bamba checkpoints with attention_bias or mlp_bias are not supported")
     layers = int(raw["num_hidden_layers"])
-    rope = dict(raw.get("rope_parameters") or {})
     # transformers' Bamba always rotates half of each head (partial_rotary_factor 0.5)
-    base_raw = {**raw, "model_type": "llama",
-                "partial_rotary_factor": rope.get("partial_rotary_factor", 0.5)}
-    base = replace(ModelConfig.from_dict(base_raw), architecture="bamba", raw=raw)
+    base = base_config(raw, "llama", "bamba", partial_rotary_factor=partial_rotary(raw, 0.5))
     attn = set(raw.get("attn_layer_indices") or [])
     if bad := sorted(i for i in attn if not 0 <= i < layers):
         raise ValueError(f"attn_layer_indices {bad} outside the {layers} layers")

@@ -14,13 +14,11 @@ top-k logits, softmaxed among themselves (= softmax top-k renormalised)."""
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from runtime.config import ModelConfig
 from runtime.layers.mamba2 import Mamba2Mixer
 from runtime.layers.moe import MoEConfig
 from runtime.layers.norm import RMSNorm
@@ -32,6 +30,7 @@ from runtime.models.hybrid import (
     HybridConfig,
     HybridFamily,
     HybridForCausalLM,
+    base_config,
 )
 
 KINDS = {"full_attention": ATTENTION, "attention": ATTENTION,
@@ -48,8 +47,7 @@ def granite_hybrid_config(raw: dict[str, Any]) -> HybridConfig:
                          f"layers one of {sorted(KINDS)}")
     shared = int(raw.get("shared_intermediate_size") or 0)
     # the layers' dense SwiGLU is the shared one (intermediate_size is each expert's)
-    base_raw = {**raw, "model_type": "llama", "intermediate_size": shared}
-    base = replace(ModelConfig.from_dict(base_raw), architecture="granitemoehybrid", raw=raw)
+    base = base_config(raw, "llama", "granitemoehybrid", intermediate_size=shared)
     experts = int(raw.get("num_local_experts") or 0)
     moe = MoEConfig(
         hidden_size=base.hidden_size, n_routed_experts=experts,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -62,6 +62,19 @@ class HybridConfig:
     @property
     def recurrent_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == RECURRENT]
+
+
+def base_config(raw: dict, dense_type: str, architecture: str, **overrides) -> ModelConfig:
+    """The fields a hybrid shares with dense models, read as dense model_type `dense_type`
+    (llama: no q/k norm; qwen3: per-head q/k norm) with `overrides` of config.json fields
+    (e.g. the partial rotary factor a family keeps in rope_parameters)."""
+    base = ModelConfig.from_dict({**raw, "model_type": dense_type, **overrides})
+    return replace(base, architecture=architecture, raw=raw)
+
+
+def partial_rotary(raw: dict, default: float) -> float:
+    """rope_parameters' partial_rotary_factor (transformers 5 keeps it there), else default."""
+    return (raw.get("rope_parameters") or {}).get("partial_rotary_factor", default)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ from runtime.models.hybrid import (
     HybridConfig,
     HybridFamily,
     HybridForCausalLM,
+    base_config,
+    partial_rotary,
 )
 
 
@@ -40,10 +42,7 @@ def qwen3_5_config(raw: dict[str, Any]) -> HybridConfig:
     if raw.get("mlp_bias"):
         raise ValueError("qwen3_5 checkpoints with mlp_bias are not supported")
     layers = int(raw["num_hidden_layers"])
-    rope = dict(raw.get("rope_parameters") or {})
-    base_raw = {**raw, "model_type": "qwen3",
-                "partial_rotary_factor": rope.get("partial_rotary_factor", 0.25)}
-    base = replace(ModelConfig.from_dict(base_raw), architecture="qwen3_5", raw=raw)
+    base = base_config(raw, "qwen3", "qwen3_5", partial_rotary_factor=partial_rotary(raw, 0.25))
     interval = int(raw.get("full_attention_interval", 4))
     types = tuple(raw.get("layer_types") or (
         ATTENTION if (i + 1) % interval == 0 else RECURRENT for i in range(layers)))

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from runtime.config import ModelConfig, read_config_json
+from runtime.layers.norm import OffsetRMSNorm
 from runtime.weights import KV_SCALE_SUFFIXES, load_weights
 
 
@@ -58,11 +59,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
 @torch.no_grad()
 def init_random_weights(model: nn.Module, std: float = 0.02) -> nn.Module:
     """Benchmark-only: Normal(0, std) matrices, unit norms, on the model's device."""
+    offset = {f"{m}.weight" for m, mod in model.named_modules() if isinstance(mod, OffsetRMSNorm)}
     for name, p in model.named_parameters():
         if p.dim() >= 2:
             p.normal_(0.0, std)
         elif "norm" in name:
-            p.fill_(1.0)
+            p.fill_(0.0 if name in offset else 1.0)     # zero-centred norms: 1 + w
         else:
             p.zero_()
     return model.eval().requires_grad_(False)
