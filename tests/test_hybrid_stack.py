@@ -66,7 +66,8 @@ def start_gateway(target: ServiceProcess, draft: ServiceProcess | None, model_di
                   wait: bool = True) -> ServiceProcess:
     port, http = free_port(), free_port()
     args = ["--target", target.address, "--tokenizer", str(model_dir), "--port", str(port),
-            "--http-port", str(http), "--host", "127.0.0.1", "--startup-timeout", "0"]
+            "--http-port", str(http), "--host", "127.0.0.1", "--startup-timeout", "0",
+            "--speculation", "fixed"]     # every step drafts: partial accepts are counted
     if draft is not None:
         args += ["--draft", draft.address]
     proc = ServiceProcess("gateway", args, GATEWAY, port, logs).start()
