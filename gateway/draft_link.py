@@ -145,6 +145,11 @@ class DraftLink:
         if self.feed.nbytes > self.feed_limit:
             self._to(DraftState.LOST, "feed over --pending-feature-mib")
 
+    def backlog(self, committed_len: int) -> int:
+        """Positions the next Propose appends to the draft's context: the feed, or the whole
+        context when it must be rebuilt."""
+        return committed_len if self.state == DraftState.LOST else len(self.feed.token_ids)
+
     def consumed(self, committed_len: int) -> int:
         """For a Verify: the positions whose features the target may free - those the draft
         holds, or all when none are kept for it."""

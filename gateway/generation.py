@@ -169,7 +169,9 @@ class Generation:
         if policy is None or self.req.block_size or self._seeded:
             return block, spec.tree_for(room - 1), None
         limits = Limits(max_chain=block - 1, tree_depth=block - 1,
-                        max_tree=min(spec.max_tree_nodes, room - 1) if block > 1 else 0)
+                        max_tree=min(spec.max_tree_nodes, room - 1) if block > 1 else 0,
+                        backlog=self.draft.backlog(self.committed_len),
+                        remaining=self.out.remaining)
         shape = policy.decide(self.key, self.acceptance, limits, self.admission.running)
         if limits.max_chain or limits.max_tree:          # a choice (not a step that cannot draft)
             policy.record(self.state.metrics_model, shape)

@@ -38,6 +38,7 @@ TREE_SIZES = (7, 15, 63)                # the tree sizes auto considers (within 
 EXPLORE_EVERY = 32                      # every this many batch decisions, the runner-up runs once
 EXPLORE_RUNS = 3                        # ... unless serving has timed its verify rows this often
 DRAFT_MARGIN = 0.1                      # drafting must promise 10 % more committed tokens/s
+CATCH_UP_STEPS = 8                      # a draft context's catch-up is priced over this many steps
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ class Limits:
                                         # tokens still allowed and the context's room
     max_tree: int                       # nodes in a tree (0: no trees)
     tree_depth: int                     # how deep a tree can go (the block's drafts)
+    backlog: int | None = None          # positions its next Propose appends to the draft's
+                                        # context (None: unknown - as in steady state)
+    remaining: int = 0                  # tokens it may still produce (0: unknown)
 
 
 @dataclass
@@ -118,6 +122,18 @@ class _Running:
     limits: Limits
     chain: list[float]                  # E(k) for chains of k = 0..limits.max_chain drafts
     trees: dict[int, float]             # E of each tree size it may run
+
+
+def appended_rows(limits: Limits, expected: float) -> float:
+    """The context rows one request's Propose is priced with: in steady state it appends what
+    the last step committed (about `expected`); after steps that did not draft it appends the
+    backlog they left, a catch-up that later drafting steps profit from too, so its excess is
+    spread over the steps the request has left (at most CATCH_UP_STEPS)."""
+    if limits.backlog is None or limits.backlog <= expected:
+        return expected
+    steps = max(1.0, min(CATCH_UP_STEPS, limits.remaining / max(expected, 1.0)
+                         if limits.remaining else CATCH_UP_STEPS))
+    return expected + (limits.backlog - expected) / steps
 
 
 def _view(acceptance: AcceptanceModel, limits: Limits) -> _Running:
@@ -210,14 +226,15 @@ class SpeculationPolicy:
         """The batch's committed tokens and verify rows when every request runs `shape` (chains
         padded as the target pads them)."""
         own = [fit(shape, m.limits) for m in models]
-        expected = sum(m.trees[o.drafts] if o.tree else m.chain[o.drafts]
-                       for m, o in zip(models, own))
+        each = [m.trees[o.drafts] if o.tree else m.chain[o.drafts] for m, o in zip(models, own)]
         tokens = [o.tokens for o in own]
         rows = sum(tokens) if shape.tree else self.cost.chain_rows(tokens)
-        # a tree's Propose runs the whole block (its depth + 1), a chain's its own tokens
+        # a tree's Propose runs the whole block (its depth + 1), a chain's its own tokens,
+        # after the context it appends
         blocks = sum(m.limits.tree_depth + 1 if o.tree else o.tokens
                      for m, o in zip(models, own))
-        return Option(shape, expected, rows, len(models), expected + blocks)
+        appended = sum(appended_rows(m.limits, e) for m, e in zip(models, each))
+        return Option(shape, sum(each), rows, len(models), appended + blocks)
 
     def observe(self, acceptance: AcceptanceModel, shape: Shape, depth: int, accepted: int
                 ) -> None:

@@ -454,3 +454,26 @@ def test_drafting_must_promise_a_margin_over_not_drafting():
     clear = [Option(NO_DRAFTING, 1.0), Option(Shape(2), 1.0 / 0.026 * 0.040 * 1.2)]
     assert choose(clear, c).shape == Shape(2)                # 20 % better: drafts
     assert sp.DRAFT_MARGIN == pytest.approx(0.1)
+
+
+def test_a_draft_context_backlog_is_priced_and_its_catch_up_spread_over_later_steps():
+    """After steps that did not draft, the next Propose appends their positions: with a CPU-like
+    Propose line (per row) a large backlog makes drafting not pay for a request about to end,
+    while one with many tokens left pays the catch-up over CATCH_UP_STEPS steps and drafts;
+    in steady state (a backlog of about one step's tokens) it drafts as before."""
+    curve = [(1, 0.020), (2, 0.022), (4, 0.026), (8, 0.034), (16, 0.050)]
+    limits = dict(max_chain=3, max_tree=0, tree_depth=3)
+
+    def decide(**extra) -> Shape:
+        policy = SpeculationPolicy(curve)
+        policy.cost.seed_proposes([(1, 0.004), (64, 0.004 + 63 * 0.0004)])
+        m = policy.model()
+        for _ in range(50):
+            m.observe(CHAIN, 3, 2)                  # 2 of 3 accepted
+        return policy.decide("r", m, Limits(**limits, **extra))
+
+    assert decide().drafts > 0
+    assert decide(backlog=2, remaining=100).drafts > 0
+    assert decide(backlog=120, remaining=3) == NO_DRAFTING
+    assert decide(backlog=120, remaining=400).drafts > 0
+    assert decide(backlog=1000, remaining=4000) == NO_DRAFTING
