@@ -183,6 +183,37 @@ def decoder_prefix(raw: dict[str, Any]) -> str:
     return "model.language_model." if "text_config" in raw else "model."
 
 
+# the token embedding's checkpoint name where it is not <decoder_prefix>embed_tokens.weight
+EMBEDDING_NAMES = {"nemotron_h": "backbone.embeddings.weight"}
+
+
+def embedding_name(raw: dict[str, Any]) -> str:
+    """The target's token embedding in its checkpoint (raw: the whole config.json)."""
+    return (EMBEDDING_NAMES.get(text_config(raw).get("model_type", ""))
+            or decoder_prefix(raw) + "embed_tokens.weight")
+
+
+def num_layers(raw: dict[str, Any]) -> int:
+    """The decoder's layers: num_hidden_layers, or the length of a per-layer pattern where a
+    config leaves the count out (transformers writes NemotronH configs without it)."""
+    if "num_hidden_layers" in raw:
+        return int(raw["num_hidden_layers"])
+    pattern = raw.get("layers_block_type") or raw.get("hybrid_override_pattern")
+    if not pattern:
+        raise ValueError("config.json gives neither num_hidden_layers nor a layer pattern "
+                         "(layers_block_type / hybrid_override_pattern)")
+    return len(pattern)
+
+
+def head_scales(raw: dict[str, Any]) -> tuple[float, float]:
+    """(embedding scale, logit scale) a family applies around its embedding and LM head:
+    Granite's embedding_multiplier and 1 / logits_scaling, Falcon-H1's embedding_multiplier
+    and lm_head_multiplier; (1, 1) for the rest."""
+    raw = text_config(raw)
+    return (float(raw.get("embedding_multiplier", 1.0)),
+            float(raw.get("lm_head_multiplier", 1.0)) / float(raw.get("logits_scaling", 1.0)))
+
+
 def read_config_json(path: str | Path) -> dict[str, Any]:
     file = Path(path) / "config.json"
     if not file.is_file():

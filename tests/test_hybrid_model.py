@@ -8,6 +8,7 @@ checkpoint checks."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -30,7 +31,7 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=["bamba", "granitemoehybrid", "qwen3_5", "qwen3_5_moe",
-                                        "qwen3_next"])
+                                        "qwen3_next", "nemotron_h", "falcon_h1"])
 def family(request):
     return request.param
 
@@ -131,9 +132,12 @@ def test_chunked_scan_equals_the_recurrence():
     assert torch.allclose(h, hs, atol=1e-5)
 
 
-def _with_config(src, dst, **changes):
+def _with_config(src, dst, drop=(), **changes):
+    """A copy of checkpoint src with config.json's fields `drop` removed and `changes` set."""
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
+    for key in drop:
+        cfg.pop(key, None)
     cfg.update(changes)
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
@@ -157,16 +161,20 @@ def test_delta_rule_in_chunks_equals_the_recurrence():
 
 def test_layer_pattern_disagreeing_with_weights_fails_naming_the_layer(family, hybrid_dir,
                                                                       tmp_path):
-    """config.json says layers 1 and 2 attend; the weights have attention at 1 and 3."""
+    """config.json says layers 1 and 2 attend; the weights have attention at 1 and 3 (NemotronH:
+    1 and 4, its layer 2 a mamba block)."""
+    if family == "falcon_h1":
+        pytest.skip("every Falcon-H1 layer attends and scans: config.json has no layer pattern")
     bad = _with_config(hybrid_dir, tmp_path / "bad", **attention_at(family, 4, [1, 2]))
-    mixer = "mamba" if family in ("bamba", "granitemoehybrid") else "linear_attn"
+    mixer = {"bamba": "mamba", "granitemoehybrid": "mamba", "nemotron_h": "mamba"}.get(
+        family, "linear_attn")
     with pytest.raises(ValueError, match=rf"layer 2 is 'full_attention'.*\['{mixer}'\]"):
         load_model(bad)
 
 
 def test_layers_beyond_config_fail_at_load(family, hybrid_dir, tmp_path):
     bad = _with_config(hybrid_dir, tmp_path / "short", **attention_at(family, 3, [1]))
-    with pytest.raises(ValueError, match=r"layers \[3\] beyond the 3 layers"):
+    with pytest.raises(ValueError, match=r"layers \[3(, \d+)*\] beyond the 3 layers"):
         load_model(bad)
 
 
@@ -182,6 +190,48 @@ def test_a_qwen3_5_layout_the_project_does_not_know_fails_naming_the_field(tmp_p
     with pytest.raises(ValueError, match="linear_num_value_heads 3 is not a multiple of "
                                          "linear_num_key_heads 2"):
         load_model(heads)
+
+
+def test_a_nemotron_h_pattern_from_the_hub_loads_and_one_it_does_not_know_fails(tmp_path):
+    """The hub's configs give hybrid_override_pattern ("M*M-*E") instead of layers_block_type:
+    the same model. A character other than M * - E, an activation other than relu2, latent
+    expert projections: start-up errors naming the field."""
+    src = make_tiny_hybrid(tmp_path / "n", family="nemotron_h")
+    hub = _with_config(src, tmp_path / "hub", drop=["layers_block_type"],
+                       hybrid_override_pattern="M*M-*E")
+    ids = prompt(20, seed=9)
+    assert torch.equal(run_once(hub, ids), run_once(src, ids))
+    for name, changes, error in (
+            ("x", {"hybrid_override_pattern": "M*X-*E"}, r"hybrid_override_pattern .*\['X'\]"),
+            ("act", {"mlp_hidden_act": "silu"}, "mlp_hidden_act 'silu' is not supported"),
+            ("latent", {"moe_latent_size": 32}, "moe_latent_size")):
+        bad = _with_config(src, tmp_path / name, drop=["layers_block_type"] if name == "x" else (),
+                           **changes)
+        with pytest.raises(ValueError, match=error):
+            load_model(bad)
+
+
+def test_falcon_h1_mixer_norm_variants_match_transformers(tmp_path):
+    """Falcon-H1's mixer output: rms(y) * silu(z) (the tiny checkpoint: mamba_norm_before_gate),
+    rms(y * silu(z)) per group (norm_before_gate off), y * silu(z) (mamba_rms_norm off)."""
+    src = make_tiny_hybrid(tmp_path / "f", family="falcon_h1")
+    after = _with_config(src, tmp_path / "after", mamba_norm_before_gate=False)
+    plain = make_tiny_hybrid(tmp_path / "plain", family="falcon_h1", mamba_rms_norm=False)
+    ids = prompt(19, seed=10)
+    for model_dir in (after, plain):
+        assert (run_once(model_dir, ids) - hf_logits(hf_model(model_dir), ids)).abs().max() <= TOL
+    assert (hf_logits(hf_model(after), ids) - hf_logits(hf_model(src), ids)).abs().max() > 10 * TOL
+
+
+def test_a_falcon_h1_option_the_project_does_not_implement_fails_naming_the_field(tmp_path):
+    src = make_tiny_hybrid(tmp_path / "f", family="falcon_h1")
+    for name, changes, error in (
+            ("act", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+            ("mup", {"ssm_multipliers": [1.0, 1.0]}, "ssm_multipliers .* must have 5 entries"),
+            ("rope", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}},
+             "rope scaling type 'dynamic'")):
+        with pytest.raises(ValueError, match=error):
+            load_model(_with_config(src, tmp_path / name, **changes))
 
 
 def run_once(model_dir, ids: list[int]) -> torch.Tensor:
@@ -202,22 +252,28 @@ def test_the_text_model_of_a_multimodal_qwen3_5_checkpoint_loads_and_matches(tmp
     assert (run_once(src, ids) - hf_logits(hf_model(src), ids)).abs().max().item() <= TOL
 
 
-def test_experts_stored_stacked_load_as_per_expert_ones(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "nemotron_h"])
+def test_experts_stored_stacked_load_as_per_expert_ones(tmp_path, family):
     """transformers 5 keeps a MoE layer's experts as two stacked tensors (experts.gate_up_proj
-    [E, 2I, H], experts.down_proj [E, H, I]); a checkpoint saved that way loads into the same
-    model as the per-expert layout (same logits)."""
+    [E, 2I, H] - NemotronH's squared-ReLU experts: experts.up_proj [E, I, H] -,
+    experts.down_proj [E, H, I]); a checkpoint saved that way loads into the same model as the
+    per-expert layout (same logits)."""
     from safetensors.torch import load_file, save_file
-    src = make_tiny_hybrid(tmp_path / "per_expert", family="qwen3_5_moe")
+    src = make_tiny_hybrid(tmp_path / "per_expert", family=family)
     stacked = _with_config(src, tmp_path / "stacked")
     tensors = load_file(str(src / "model.safetensors"))
-    for layer in range(4):
-        stem = f"model.layers.{layer}.mlp.experts"
-        n = sum(1 for k in tensors if k.startswith(stem) and k.endswith(".down_proj.weight"))
-        gate_up = [torch.cat([tensors.pop(f"{stem}.{e}.gate_proj.weight"),
-                              tensors.pop(f"{stem}.{e}.up_proj.weight")]) for e in range(n)]
-        tensors[f"{stem}.gate_up_proj"] = torch.stack(gate_up)
-        tensors[f"{stem}.down_proj"] = torch.stack(
-            [tensors.pop(f"{stem}.{e}.down_proj.weight") for e in range(n)])
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name in sorted(tensors):
+        if m := re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name):
+            experts.setdefault((m[1], m[3]), {})[int(m[2])] = tensors.pop(name)
+    for (stem, proj), per in experts.items():
+        if proj != "gate_proj":
+            tensors[f"{stem}.{proj}"] = torch.stack([per[e] for e in range(len(per))])
+    for (stem, proj), per in experts.items():
+        if proj == "gate_proj":
+            gate = torch.stack([per[e] for e in range(len(per))])
+            tensors[f"{stem}.gate_up_proj"] = torch.cat([gate, tensors.pop(f"{stem}.up_proj")],
+                                                        dim=1)
     save_file(tensors, str(stacked / "model.safetensors"), metadata={"format": "pt"})
     ids = prompt(12, seed=6)
     assert torch.equal(run_once(src, ids), run_once(stacked, ids))
@@ -241,3 +297,23 @@ def test_random_weights_give_zero_centred_norms_a_unit_scale(tmp_path):
         model = load_model(make_tiny_hybrid(tmp_path / family, family=family),
                            random_weights=True)
         assert model.layers[0].input_layernorm.weight.unique().tolist() == [want]
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid", "falcon_h1", "nemotron_h"])
+def test_a_drafter_s_target_head_scales_and_names_as_the_target(family, tmp_path):
+    """What a DFlash drafter borrows from the target (runtime/models/dflash.TargetHead): the
+    embedding under the family's checkpoint name (NemotronH: backbone.embeddings), times its
+    embedding multiplier, and logits scaled as the target scales its own; the fingerprint
+    counts the layers of a NemotronH config that leaves num_hidden_layers out."""
+    from runtime.models.dflash import TargetFingerprint, TargetHead
+    src = make_tiny_hybrid(tmp_path / family, family=family)
+    model = load_model(src, torch.float32, "cpu")
+    head = TargetHead.load(src, torch.float32, "cpu")
+    ids = torch.tensor(prompt(9))
+    torch.testing.assert_close(
+        head.embed(ids), model.embed_tokens(ids) * model.hybrid_cfg.embedding_multiplier)
+    hidden = torch.randn(5, model.cfg.hidden_size)
+    torch.testing.assert_close(head.logits(hidden), model.compute_logits(hidden))
+    if family == "nemotron_h":
+        bare = _with_config(src, tmp_path / "bare", drop=("num_hidden_layers",))
+        assert TargetFingerprint.of_target(bare).num_layers == len(model.layers)

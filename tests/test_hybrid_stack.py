@@ -1,5 +1,6 @@
-"""Hybrid targets (Bamba: Mamba2 + attention; Qwen3.5: Gated DeltaNet + gated attention)
-through the full stack: target, prompt-lookup draft and
+"""Hybrid targets (Bamba: Mamba2 + attention; Granite-4.0-H; Qwen3.5: Gated DeltaNet + gated
+attention; Qwen3-Next; NemotronH: Mamba2, attention, MLP and MoE blocks; Falcon-H1: attention
+and Mamba2 side by side) through the full stack: target, prompt-lookup draft and
 gateway processes. Greedy speculative output equals the target's own autoregressive output and
 transformers' generate, with partial accepts (counted); with the commit skipped it differs; a
 target that cannot commit is refused by the gateway.
@@ -33,7 +34,8 @@ TARGET_FLAGS = ("--max-block-size", str(BLOCK), "--kv-budget", "64MiB", "--state
 GATEWAY = "dflash.v1.Gateway"
 
 
-@pytest.fixture(scope="module", params=["bamba", "granitemoehybrid", "qwen3_5", "qwen3_next"])
+@pytest.fixture(scope="module", params=["bamba", "granitemoehybrid", "qwen3_5", "qwen3_next",
+                                        "nemotron_h", "falcon_h1"])
 def model_dir(tmp_path_factory, smollm2_dir, request):
     return make_tiny_hybrid(tmp_path_factory.mktemp(f"tiny_{request.param}_smol"),
                             vocab_from=smollm2_dir, active_vocab=(1000, 1016),

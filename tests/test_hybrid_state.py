@@ -1,6 +1,7 @@
 """The recurrent state of a hybrid target across verify blocks: the commit after a partial
 accept, the live state left alone by verify, 1-token blocks, the pool's slots and memory - for
-Mamba2 (Bamba) and Gated DeltaNet (Qwen3.5) layers alike."""
+Mamba2 (Bamba, Granite-4.0-H, NemotronH with its MLP / MoE blocks between, Falcon-H1 with
+attention beside each mixer) and Gated DeltaNet (Qwen3.5, Qwen3-Next) layers alike."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,8 @@ from runtime.state_pool import MambaStatePool, OutOfStateSlots
 STATE_TOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=["bamba", "granitemoehybrid", "qwen3_5", "qwen3_next"])
+@pytest.fixture(scope="module", params=["bamba", "granitemoehybrid", "qwen3_5", "qwen3_next",
+                                        "nemotron_h", "falcon_h1"])
 def hybrid_dir(tmp_path_factory, request):
     return make_tiny_hybrid(tmp_path_factory.mktemp(f"tiny_{request.param}"),
                             family=request.param)
@@ -156,7 +158,9 @@ def test_state_pool_memory_is_taken_from_the_kv_budget(hybrid_dir):
     per_page = PagedKVCache.bytes_per_page(w.num_attention_layers, base.num_kv_heads,
                                            base.head_dim, 4, torch.float32)
     assert w.kv_cache.num_pages == (budget - pool.nbytes) // per_page
-    assert w.kv_cache.k.shape[0] == len(cfg.attention_layers) == 2
+    # 2 attention layers (NemotronH: of 6 blocks; Falcon-H1: all 4 layers, beside the mixers)
+    assert w.kv_cache.k.shape[0] == len(cfg.attention_layers) == (
+        4 if cfg.base.architecture == "falcon_h1" else 2)
 
 
 def test_a_state_pool_larger_than_the_budget_is_refused_at_start(hybrid_dir):
@@ -168,8 +172,9 @@ def test_blocks_of_one_token_need_no_verify_states(hybrid_dir):
     """max_block_size 1 (plain decoding through Verify): the pool holds live states only."""
     w = loaded_worker(hybrid_dir, state_slots=2, max_block_size=1, token_budget=64)
     assert w.state_pool.verify_ssm.numel() == 0
+    cfg = w.model.hybrid_cfg
     assert w.state_pool.nbytes == MambaStatePool.bytes_needed(
-        w.model.hybrid_cfg.state, 2, 2, 2, 1, torch.float32)
+        cfg.state, len(cfg.recurrent_layers), 2, 2, 1, torch.float32)
     ids = prompt(12, seed=9)
     spec, twin = HybridSeq(w, "one"), HybridSeq(w, "step")
     spec.run(ids[:10]), twin.run(ids[:10])

@@ -10,7 +10,9 @@ Notation (b sequences of L new tokens each; nh heads of hd channels; g groups; N
   conv window [b, C, K-1]: the last K-1 conv inputs before the new tokens (C = conv_dim)
 Recurrence: h_t = exp(dA_t) h_{t-1} + dt_t x_t (x) B_t;  y_t = C_t . h_t + D x_t.
 The layer's weights follow transformers' Mamba2 mixer names (in_proj, conv1d, dt_bias, A_log, D,
-norm, out_proj); the states live in a pool and reach the layer through the state backend."""
+norm, out_proj); the states live in a pool and reach the layer through the state backend.
+The output gate z: Mamba2's gated RMSNorm rms(y * silu(z)) per group (norm "gated"), or
+Falcon-H1's rms(y) * silu(z) ("norm_then_gate") or y * silu(z) with no norm ("none")."""
 from __future__ import annotations
 
 import math
@@ -22,9 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.layers.linear import Linear
+from runtime.layers.tree_scan import ssd_tree, tree_conv
 
 if TYPE_CHECKING:  # the backend imports this module
     from runtime.attention.mamba_state_backend import MambaStatePath
+
+
+NORMS = ("gated", "norm_then_gate", "none")
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,12 @@ class Mamba2Config:
     proj_bias: bool = False
     dt_limit: tuple[float, float] = (0.0, math.inf)
     norm_eps: float = 1e-5
+    out_proj_bias: bool | None = None    # None: proj_bias (Falcon-H1 sets it apart)
+    norm: str = "gated"                  # "gated" | "norm_then_gate" | "none" (module docstring)
 
     def __post_init__(self) -> None:
+        if self.norm not in NORMS:
+            raise ValueError(f"mamba norm {self.norm!r}: one of {NORMS}")
         if self.num_heads % self.num_groups:
             raise ValueError(f"mamba heads {self.num_heads} are not a multiple of groups "
                              f"{self.num_groups}")
@@ -154,19 +164,39 @@ def ssd_chunked(h0: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, dA: torch.T
 # -- the layer ---------------------------------------------------------------------------------
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of y * silu(z) over groups of `group_size` channels, in fp32 (Mamba2's norm)."""
+    """RMSNorm of y * silu(z) over groups of `group_size` channels, in fp32 (Mamba2's norm); with
+    norm_before_gate, rms(y) * weight * silu(z) (Falcon-H1's mamba_norm_before_gate)."""
 
-    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+    def __init__(self, dim: int, group_size: int, eps: float, norm_before_gate: bool = False
+                 ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.group_size, self.eps = group_size, eps
+        self.group_size, self.eps, self.norm_before_gate = group_size, eps, norm_before_gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = y.dtype
-        h = y.float() * F.silu(z.float())
+        h = y.float() if self.norm_before_gate else y.float() * F.silu(z.float())
         g = h.view(*h.shape[:-1], -1, self.group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.norm_before_gate:
+            return (self.weight.float() * g.view_as(h) * F.silu(z.float())).to(dtype)
         return self.weight * g.view_as(h).to(dtype)
+
+
+class SiluGate(nn.Module):
+    """y * silu(z), no norm (Falcon-H1 without mamba_rms_norm); no weights."""
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return (y.float() * F.silu(z.float())).to(y.dtype)
+
+
+def output_norm(cfg: Mamba2Config) -> nn.Module:
+    """The mixer's gate (and norm) over y [T, nh*hd] with z (cfg.norm: module docstring)."""
+    if cfg.norm == "none":
+        return SiluGate()
+    inner = cfg.intermediate_size
+    return GatedRMSNorm(inner, inner // cfg.num_groups, cfg.norm_eps,
+                        norm_before_gate=cfg.norm == "norm_then_gate")
 
 
 class Mamba2Mixer(nn.Module):
@@ -183,8 +213,9 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(nh))
         self.A_log = nn.Parameter(torch.zeros(nh))
         self.D = nn.Parameter(torch.ones(nh))
-        self.norm = GatedRMSNorm(inner, inner // cfg.num_groups, cfg.norm_eps)
-        self.out_proj = Linear(inner, cfg.hidden_size, bias=cfg.proj_bias)
+        self.norm = output_norm(cfg)
+        out_bias = cfg.proj_bias if cfg.out_proj_bias is None else cfg.out_proj_bias
+        self.out_proj = Linear(inner, cfg.hidden_size, bias=out_bias)
 
     def forward(self, x: torch.Tensor, states: MambaStatePath) -> torch.Tensor:
         """x [T, H] (flattened over the forward's sequences) -> [T, H]."""
@@ -195,13 +226,17 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self.norm(y, z).to(x.dtype))
 
     def scan(self, window: torch.Tensor, h: torch.Tensor, xbc: torch.Tensor,
-             dt_raw: torch.Tensor, keep_states: bool) -> ScanOut:
+             dt_raw: torch.Tensor, keep_states: bool, parents: torch.Tensor | None = None
+             ) -> ScanOut:
         """b sequences of L tokens from their states: window [b, C, K-1], h [b, nh, hd, N],
         xbc [b, L, C], dt_raw [b, L, nh]. L == 1 without keep_states takes the single step;
-        keep_states (verify) returns the window and state after every position."""
+        keep_states (verify) returns the window and state after every position; parents
+        [b, L] (a verified tree, runtime/layers/tree_scan.py): each row follows its parent."""
         cfg = self.cfg
         b, L, _ = xbc.shape
-        xbc, conv = causal_conv(window, xbc, self.conv1d.weight, self.conv1d.bias, keep_states)
+        xbc, conv = (tree_conv(window, xbc, self.conv1d.weight, self.conv1d.bias, parents)
+                     if parents is not None else
+                     causal_conv(window, xbc, self.conv1d.weight, self.conv1d.bias, keep_states))
         xs, B, C = xbc.float().split([cfg.intermediate_size, cfg.num_groups * cfg.state_size,
                                       cfg.num_groups * cfg.state_size], dim=-1)
         xs = xs.view(b, L, cfg.num_heads, cfg.head_dim)
@@ -212,7 +247,9 @@ class Mamba2Mixer(nn.Module):
         dA = dt * -self.A_log.float().exp()
         D = self.D.float()
         h = h.float()
-        if keep_states:
+        if parents is not None:
+            y, ssm = ssd_tree(h, xs, dt, dA, B, C, D, parents)
+        elif keep_states:
             y, ssm = ssd_block(h, xs, dt, dA, B, C, D, keep_states=True)
         elif L == 1:
             y, ssm = ssd_step(h, xs[:, 0], dt[:, 0], dA[:, 0], B[:, 0], C[:, 0], D)

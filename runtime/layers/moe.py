@@ -1,6 +1,7 @@
 """Mixture-of-experts feed-forward layers: a router (softmax or sigmoid scores, optionally
-group-limited, as DeepSeek-V2/V3 and Qwen3-Next route) over SwiGLU experts whose weights are
-stacked for one grouped GEMM per projection on CUDA, plus shared experts (optionally gated)."""
+group-limited, as DeepSeek-V2/V3, Qwen3-Next and NemotronH route) over SwiGLU experts (or
+NemotronH's squared-ReLU ones) whose weights are stacked for one grouped GEMM per projection on
+CUDA, plus shared experts (optionally gated)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from torch import nn
 
 from runtime.layers.linear import Linear
 from runtime.layers.mlp import GatedMLP, silu_and_mul
+from runtime.layers.ungated_mlp import UngatedMLP, relu2
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,14 @@ class MoEConfig:
     shared_intermediate_size: int = 0   # the shared experts' SwiGLU (0: none)
     shared_name: str = "shared_experts"
     shared_gate: bool = False        # Qwen3-Next: sigmoid(shared_expert_gate x) scales them
+    # "swiglu": each expert down(silu(gate x) * up x); "relu2" (NemotronH): down(relu(up x)^2),
+    # the shared expert too, with biases when shared_bias
+    expert_mlp: str = "swiglu"
+    shared_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.expert_mlp not in ("swiglu", "relu2"):
+            raise ValueError(f"expert MLP {self.expert_mlp!r}: one of 'swiglu', 'relu2'")
 
 
 class Router(nn.Module):
@@ -64,12 +74,24 @@ class Router(nn.Module):
         return weights * cfg.routed_scaling_factor, ids
 
 
+def _expert(cfg: MoEConfig, intermediate: int, bias: bool = False) -> nn.Module:
+    if cfg.expert_mlp == "relu2":
+        return UngatedMLP(cfg.hidden_size, intermediate, bias)
+    return GatedMLP(cfg.hidden_size, intermediate, bias)
+
+
+def _in_proj(expert: nn.Module) -> nn.Module:
+    """An expert's first projection: gate_up_proj [2I, H] (SwiGLU) or up_proj [I, H]."""
+    return expert.gate_up_proj if isinstance(expert, GatedMLP) else expert.up_proj
+
+
 class MoE(nn.Module):
-    """Routed experts (each a SwiGLU MLP; checkpoint names experts.N.{gate,up,down}_proj) plus
-    the shared experts (one SwiGLU of shared_intermediate_size, named shared_name; with
+    """Routed experts (each a SwiGLU MLP, checkpoint names experts.N.{gate,up,down}_proj, or with
+    expert_mlp "relu2" a squared-ReLU one, experts.N.{up,down}_proj) plus the shared experts
+    (one MLP of the same kind and shared_intermediate_size, named shared_name; with
     shared_gate, times sigmoid(shared_expert_gate x) - Qwen3-Next).
 
-    The experts' weights live in two stacked tensors ([E, 2I, H] and [E, H, I], built once the
+    The experts' weights live in two stacked tensors ([E, 2I or I, H] and [E, H, I], built once the
     model is materialised: init_buffers); each expert's parameters are views into them, so the
     checkpoint fills both. Two forwards: the reference loop (each expert on its own tokens, in
     id order, as transformers sums them; the CPU) and one grouped GEMM per projection over the
@@ -79,10 +101,12 @@ class MoE(nn.Module):
         super().__init__()
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg = cfg
+        self.act = relu2 if cfg.expert_mlp == "relu2" else silu_and_mul
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(GatedMLP(h, inter) for _ in range(cfg.n_routed_experts))
+        self.experts = nn.ModuleList(_expert(cfg, inter) for _ in range(cfg.n_routed_experts))
         if cfg.shared_intermediate_size:
-            setattr(self, cfg.shared_name, GatedMLP(h, cfg.shared_intermediate_size))
+            setattr(self, cfg.shared_name,
+                    _expert(cfg, cfg.shared_intermediate_size, cfg.shared_bias))
         self.shared_expert_gate = Linear(h, 1, bias=False) if cfg.shared_gate else None
         self._w13: torch.Tensor | None = None
         self._w2: torch.Tensor | None = None
@@ -92,10 +116,10 @@ class MoE(nn.Module):
         (after materialisation, before the weights are loaded)."""
         if self.experts[0].down_proj.weight.device.type == "meta":
             return
-        self._w13 = torch.stack([e.gate_up_proj.weight.data for e in self.experts])
+        self._w13 = torch.stack([_in_proj(e).weight.data for e in self.experts])
         self._w2 = torch.stack([e.down_proj.weight.data for e in self.experts])
         for i, e in enumerate(self.experts):
-            e.gate_up_proj.weight.data = self._w13[i]
+            _in_proj(e).weight.data = self._w13[i]
             e.down_proj.weight.data = self._w2[i]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,20 +154,21 @@ class MoE(nn.Module):
         offs = counts.cumsum(0, dtype=torch.int32)
         token = order // k
         h = torch._grouped_mm(x[token], self._w13.transpose(-2, -1), offs=offs)
-        y = torch._grouped_mm(silu_and_mul(h), self._w2.transpose(-2, -1), offs=offs)
+        y = torch._grouped_mm(self.act(h), self._w2.transpose(-2, -1), offs=offs)
         y = y * weights.flatten()[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
 def split_stacked_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """A checkpoint's stacked experts (transformers 5's layout: ...experts.gate_up_proj
-    [E, 2I, H], ...experts.down_proj [E, H, I]) -> the per-expert tensors the model names
-    (...experts.N.gate_proj.weight, up_proj, down_proj); any other tensor as it is."""
+    [E, 2I, H] - or NemotronH's ...experts.up_proj [E, I, H] -, ...experts.down_proj [E, H, I])
+    -> the per-expert tensors the model names (...experts.N.gate_proj.weight, up_proj,
+    down_proj); any other tensor as it is."""
     stem, _, last = name.rpartition(".")
-    if not stem.endswith(".experts") or last not in ("gate_up_proj", "down_proj"):
+    if not stem.endswith(".experts") or last not in ("gate_up_proj", "up_proj", "down_proj"):
         return [(name, tensor)]
-    if last == "down_proj":
-        return [(f"{stem}.{e}.down_proj.weight", w) for e, w in enumerate(tensor)]
+    if last != "gate_up_proj":
+        return [(f"{stem}.{e}.{last}.weight", w) for e, w in enumerate(tensor)]
     out = []
     for e, w in enumerate(tensor):
         gate, up = w.chunk(2, dim=0)

@@ -36,29 +36,35 @@ def bamba_config(raw: dict[str, Any]) -> HybridConfig:
     return HybridConfig(base, mamba2_config(raw, base), types)
 
 
-def mamba2_config(raw: dict[str, Any], base: ModelConfig) -> Mamba2Config:
-    """The mamba_* fields Bamba and Granite-4.0-H share."""
+def mamba2_config(raw: dict[str, Any], base: ModelConfig, inner: int | None = None,
+                  **fields: Any) -> Mamba2Config:
+    """The mamba_* fields Bamba, Granite-4.0-H and Falcon-H1 share. inner: the mixer's width
+    (default mamba_expand * hidden_size; Falcon-H1's mamba_d_ssm); fields: other Mamba2Config
+    values (Falcon-H1's biases and norm)."""
     hidden = base.hidden_size
     heads = int(raw.get("mamba_n_heads", 128))
     expand = int(raw.get("mamba_expand", 2))
+    width = f"mamba_expand * hidden_size = {expand * hidden}" if inner is None else \
+        f"mamba_d_ssm = {inner}"
+    inner = expand * hidden if inner is None else inner
     d_head = raw.get("mamba_d_head", "auto")
     mamba = Mamba2Config(
         hidden_size=hidden, num_heads=heads,
-        head_dim=expand * hidden // heads if d_head in (None, "auto") else int(d_head),
+        head_dim=inner // heads if d_head in (None, "auto") else int(d_head),
         num_groups=int(raw.get("mamba_n_groups", 1)),
         state_size=int(raw.get("mamba_d_state", 256)),
         conv_kernel=int(raw.get("mamba_d_conv", 4)),
         chunk_size=int(raw.get("mamba_chunk_size") or 256),
         conv_bias=bool(raw.get("mamba_conv_bias", True)),
         proj_bias=bool(raw.get("mamba_proj_bias", False)),
-        dt_limit=_dt_limit(raw.get("time_step_limit")), norm_eps=base.rms_norm_eps)
-    if mamba.intermediate_size != expand * hidden:
+        dt_limit=dt_limit(raw.get("time_step_limit")), norm_eps=base.rms_norm_eps, **fields)
+    if mamba.intermediate_size != inner:
         raise ValueError(f"mamba_n_heads * mamba_d_head = {mamba.intermediate_size} must equal "
-                         f"mamba_expand * hidden_size = {expand * hidden}")
+                         f"{width}")
     return mamba
 
 
-def _dt_limit(value: Any) -> tuple[float, float]:
+def dt_limit(value: Any) -> tuple[float, float]:
     """time_step_limit as transformers writes it: [lo, hi], hi maybe {"__float__": "Infinity"}."""
     if not value:
         return (0.0, math.inf)

@@ -5,8 +5,10 @@ intermediate_size, rms_norm_eps, rope_theta / rope_scaling, optional layer_types
 `block_size` and `dflash_config` {target_layer_ids, mask_token_id} (either key may also sit at the
 top level); safetensors `layers.N.*` (Qwen3 names), `fc.weight` [H, K*H], `hidden_norm.weight`,
 `norm.weight`. No embedding and no LM head: `TargetHead` reads `model.embed_tokens.weight` (a
-multimodal target's `model.language_model.embed_tokens.weight`) and `lm_head.weight` (tied
-targets: the embedding) from the target's directory, and nothing else.
+multimodal target's `model.language_model.embed_tokens.weight`, NemotronH's
+`backbone.embeddings.weight`: runtime/config.embedding_name) and `lm_head.weight` (tied targets:
+the embedding) from the target's directory, and nothing else; it applies the target family's
+embedding and logit multipliers (Granite, Falcon-H1) as the target does.
 Our own tools add `target_fingerprint` {vocab_size, hidden_size, num_layers, tokenizer_hash}, and
 may add `dflash_config.layer_passes` P (default 1): the block runs through the layer stack P times
 with the same weights (z-lab's code would run it once: such a checkpoint is ours only). A layer's
@@ -51,7 +53,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from runtime.config import ModelConfig, decoder_prefix, read_config_json, text_config
+from runtime.config import (
+    ModelConfig,
+    embedding_name,
+    head_scales,
+    num_layers,
+    read_config_json,
+    text_config,
+)
 from runtime.layers.linear import Linear, linear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rope import RotaryEmbedding
@@ -62,7 +71,6 @@ from runtime.tokenizer import tokenizer_fingerprint
 from runtime.weights import load_weights, read_tensors, safetensors_files
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-EMBED_NAME = "model.embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
 
 
@@ -108,8 +116,7 @@ class TargetFingerprint:
     def of_target(target_dir: str | Path) -> TargetFingerprint:
         raw = text_config(read_config_json(target_dir))
         return TargetFingerprint(int(raw["vocab_size"]), int(raw["hidden_size"]),
-                                 int(raw["num_hidden_layers"]),
-                                 tokenizer_fingerprint(str(target_dir)))
+                                 num_layers(raw), tokenizer_fingerprint(str(target_dir)))
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> TargetFingerprint:
@@ -285,11 +292,14 @@ class DFlashDraftModel(nn.Module):
 
 
 class TargetHead:
-    """The target's token embedding [V, H] and LM head [V, H] (the same tensor when tied)."""
+    """The target's token embedding [V, H] and LM head [V, H] (the same tensor when tied), with
+    the scales its family applies around them (runtime/config.head_scales)."""
 
-    def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+    def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor, embed_scale: float = 1.0,
+                 logit_scale: float = 1.0) -> None:
         self.embed_weight = embed
         self.lm_head_weight = lm_head
+        self.embed_scale, self.logit_scale = embed_scale, logit_scale
 
     @staticmethod
     def load(target_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
@@ -297,11 +307,13 @@ class TargetHead:
         full = read_config_json(target_dir)
         raw = text_config(full)
         tied = bool(raw.get("tie_word_embeddings", False))
+        scales = head_scales(raw)
         if random_weights:
             shape = (int(raw["vocab_size"]), int(raw["hidden_size"]))
             embed = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02)
-            return TargetHead(embed, embed if tied else torch.empty_like(embed).normal_(0.0, 0.02))
-        embed_name = decoder_prefix(full) + EMBED_NAME.removeprefix("model.")
+            return TargetHead(embed, embed if tied else torch.empty_like(embed).normal_(0.0, 0.02),
+                              *scales)
+        embed_name = embedding_name(full)
         names = {embed_name} if tied else {embed_name, LM_HEAD_NAME}
         found = read_tensors(target_dir, names)
         missing = sorted(names - set(found))
@@ -310,7 +322,7 @@ class TargetHead:
                              f"(tie_word_embeddings={tied})")
         embed = found[embed_name].to(device=device, dtype=dtype)
         head = embed if tied else found[LM_HEAD_NAME].to(device=device, dtype=dtype)
-        return TargetHead(embed, head)
+        return TargetHead(embed, head, *scales)
 
     @property
     def vocab_size(self) -> int:
@@ -322,11 +334,13 @@ class TargetHead:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """int64 [T] -> [T, H]."""
-        return F.embedding(ids, self.embed_weight)
+        x = F.embedding(ids, self.embed_weight)
+        return x if self.embed_scale == 1.0 else x * self.embed_scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> fp32 logits [N, V] (differentiable: the training loss uses it too)."""
-        return linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
+        logits = linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
+        return logits if self.logit_scale == 1.0 else logits * self.logit_scale
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> int64 [N]: argmax of the fp32 logits."""

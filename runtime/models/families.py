@@ -26,6 +26,16 @@ def _granite_hybrid(raw: dict) -> tuple[type, object]:
     return build(raw)
 
 
+def _nemotron_h(raw: dict) -> tuple[type, object]:
+    from runtime.models.nemotron_h import build
+    return build(raw)
+
+
+def _falcon_h1(raw: dict) -> tuple[type, object]:
+    from runtime.models.falcon_h1 import build
+    return build(raw)
+
+
 def _deepseek(raw: dict) -> tuple[type, object]:
     from runtime.models.deepseek import build
     return build(raw)
@@ -34,6 +44,8 @@ def _deepseek(raw: dict) -> tuple[type, object]:
 FAMILIES: dict[str, Callable[[dict], tuple[type, object]]] = {
     "bamba": _bamba,
     "granitemoehybrid": _granite_hybrid,
+    "nemotron_h": _nemotron_h,
+    "falcon_h1": _falcon_h1,
     "qwen3_5": _qwen3_5,
     "qwen3_5_text": _qwen3_5,
     "qwen3_5_moe": _qwen3_5,

@@ -1,12 +1,15 @@
-"""Hybrid decoders: each layer a recurrent mixer (Mamba2, Gated DeltaNet) or a full-attention
-block, then an MLP. Tokens of all sequences are flattened ([T, H]); attention layers go through
-the attention backend, recurrent layers through the state backend of HybridAttnBackend
+"""Hybrid decoders: each layer a recurrent mixer (Mamba2, Gated DeltaNet), a full-attention block,
+both side by side (Falcon-H1) or - in families whose layers are single blocks (NemotronH) - an MLP
+or mixture of experts alone; then, unless the family's layers are single blocks, an MLP. Tokens
+of all sequences are flattened ([T, H]); attention goes through the attention backend,
+recurrent mixers through the state backend of HybridAttnBackend
 (runtime/attention/mamba_state_backend.py), their states in one pool (runtime/state_pool.py).
 
-Layer ids are the model's (0..num_layers-1, as capture_layers count them); attention layers use
-KV-cache layer index = their rank among attention layers, recurrent layers pool index = their
-rank among recurrent layers. A family (runtime/models/bamba.py, qwen3_5.py) parses its
-config.json into a HybridConfig and builds its layers; the rest is here."""
+Layer ids are the model's (0..num_layers-1, as capture_layers count them); a layer with attention
+uses KV-cache layer index = its rank among the layers with attention, a layer with a recurrent
+mixer pool index = its rank among the layers with one (an MLP-only block has neither; a parallel
+layer both). A family (runtime/models/bamba.py, qwen3_5.py, nemotron_h.py, falcon_h1.py) parses
+its config.json into a HybridConfig and builds its layers; the rest is here."""
 from __future__ import annotations
 
 import re
@@ -30,18 +33,21 @@ from runtime.state_pool import MambaStatePool, StateConfig
 from runtime.weights import tensor_names
 
 ATTENTION, RECURRENT = "full_attention", "linear_attention"
+MLP = "mlp"                  # a feed-forward block alone (NemotronH "-", or "E": MoE)
+PARALLEL = "parallel"        # attention and a recurrent mixer on the same input (Falcon-H1)
+WITH_ATTENTION, WITH_STATE = (ATTENTION, PARALLEL), (RECURRENT, PARALLEL)
 
 
 @dataclass(frozen=True)
 class HybridConfig:
     """base: the fields shared with dense models (attention, MLP, vocab, ...); state: the
-    recurrent layers' (Mamba2Config or GatedDeltaNetConfig); layer_types[i]: ATTENTION or
-    RECURRENT."""
+    recurrent layers' (Mamba2Config or GatedDeltaNetConfig); layer_types[i]: ATTENTION,
+    RECURRENT, MLP or PARALLEL."""
     base: ModelConfig
     state: StateConfig
     layer_types: tuple[str, ...]
     moe: MoEConfig | None = None        # the MoE layers' experts (Qwen3-Next) ...
-    moe_layers: frozenset[int] = frozenset()   # ... and which layers are MoE (else SwiGLU)
+    moe_layers: frozenset[int] = frozenset()   # ... and which layers' MLPs are MoE
     # Granite's scalings: the embeddings times embedding_multiplier, each residual branch
     # times residual_multiplier, attention scores times attention_scale (None: 1/sqrt(hd)),
     # the logits divided by logits_scaling; rope False: no rotary embedding (NoPE)
@@ -57,11 +63,13 @@ class HybridConfig:
 
     @property
     def attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == ATTENTION]
+        """The layers with attention, in KV-cache index order."""
+        return [i for i, t in enumerate(self.layer_types) if t in WITH_ATTENTION]
 
     @property
     def recurrent_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == RECURRENT]
+        """The layers with a recurrent mixer, in state-pool index order."""
+        return [i for i, t in enumerate(self.layer_types) if t in WITH_STATE]
 
 
 def base_config(raw: dict, dense_type: str, architecture: str, **overrides) -> ModelConfig:
@@ -77,45 +85,72 @@ def partial_rotary(raw: dict, default: float) -> float:
     return (raw.get("rope_parameters") or {}).get("partial_rotary_factor", default)
 
 
+def dense_mlp(cfg: HybridConfig, layer_id: int) -> nn.Module:
+    """A layer's MLP: the MoE in cfg.moe_layers, else a SwiGLU of intermediate_size."""
+    base = cfg.base
+    return (MoE(cfg.moe) if layer_id in cfg.moe_layers
+            else GatedMLP(base.hidden_size, base.intermediate_size, base.mlp_bias))
+
+
 @dataclass(frozen=True)
 class HybridFamily:
     """What a family builds its layers from - attention (ModelConfig, KV-cache layer index),
-    recurrent mixer (state config, pool index) and RMSNorm (dim, eps) modules - and its
-    checkpoint names (attention is always self_attn, a layer's first norm input_layernorm)."""
+    recurrent mixer (state config, pool index), MLP (HybridConfig, layer id) and RMSNorm (dim,
+    eps) modules - and its checkpoint names. ff_norm_name None: each layer is one block (norm,
+    then its mixer or its MLP alone, + residual; NemotronH), else a mixer block then a pre-norm
+    MLP block."""
     attention: Callable[[ModelConfig, int], nn.Module]
     recurrent: Callable[[StateConfig, int], nn.Module]
     norm: Callable[[int, float], nn.Module]
     mixer_name: str                     # the recurrent mixer: "mamba", "linear_attn"
-    ff_norm_name: str                   # the norm before the MLP
+    ff_norm_name: str | None            # the norm before the MLP (None: single blocks)
     mlp_name: str
     final_norm_name: str                # model.<name>.weight
+    attention_name: str = "self_attn"
+    input_norm_name: str = "input_layernorm"
+    mlp: Callable[[HybridConfig, int], nn.Module] = dense_mlp
 
 
 class HybridLayer(nn.Module):
-    """Pre-norm mixer (attention or recurrent) + residual, pre-norm MLP + residual; the modules
-    registered under the family's checkpoint names."""
+    """Pre-norm block + residual: attention, a recurrent mixer, both side by side (summed) or an
+    MLP alone; then, with an ff_norm, a pre-norm MLP + residual. The modules are registered
+    under the family's checkpoint names."""
 
-    def __init__(self, family: HybridFamily, kind: str, input_norm: nn.Module, mixer: nn.Module,
-                 ff_norm: nn.Module, mlp: nn.Module, residual_scale: float = 1.0) -> None:
+    def __init__(self, family: HybridFamily, kind: str, input_norm: nn.Module,
+                 mixers: dict[str, nn.Module], ff_norm: nn.Module | None = None,
+                 mlp: nn.Module | None = None, residual_scale: float = 1.0) -> None:
+        """mixers: the block's modules by role - "attention", "recurrent" and/or "mlp"."""
         super().__init__()
         self.kind, self.residual_scale = kind, residual_scale
-        self.mixer_name, self.ff_norm_name, self.mlp_name = (
-            family.mixer_name, family.ff_norm_name, family.mlp_name)
-        self.input_layernorm = input_norm
-        setattr(self, "self_attn" if kind == ATTENTION else family.mixer_name, mixer)
-        setattr(self, family.ff_norm_name, ff_norm)
-        setattr(self, family.mlp_name, mlp)
+        names = {"attention": family.attention_name, "recurrent": family.mixer_name,
+                 "mlp": family.mlp_name}
+        self.names = {role: names[role] for role in mixers}
+        self.input_norm_name, self.ff_norm_name = family.input_norm_name, family.ff_norm_name
+        setattr(self, family.input_norm_name, input_norm)
+        for role, module in mixers.items():
+            setattr(self, self.names[role], module)
+        if ff_norm is not None:
+            setattr(self, family.ff_norm_name, ff_norm)
+            setattr(self, family.mlp_name, mlp)
+            self.names["ff"] = family.mlp_name
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 batch: ForwardBatch, states: MambaStatePath) -> torch.Tensor:
         """x [T, H]: the residual stream before this layer -> after it."""
-        h = self.input_layernorm(x)
-        if self.kind == ATTENTION:
-            h = self.self_attn(h, positions, rope, batch)
+        h = getattr(self, self.input_norm_name)(x)
+        if self.kind == MLP:
+            branch = getattr(self, self.names["mlp"])(h)
         else:
-            h = getattr(self, self.mixer_name)(h, states)
-        x = x + self._scaled(h)
-        return x + self._scaled(getattr(self, self.mlp_name)(getattr(self, self.ff_norm_name)(x)))
+            branch = (getattr(self, self.names["recurrent"])(h, states)
+                      if self.kind in WITH_STATE else None)
+            if self.kind in WITH_ATTENTION:
+                attn = getattr(self, self.names["attention"])(h, positions, rope, batch)
+                branch = attn if branch is None else branch + attn
+        x = x + self._scaled(branch)
+        if "ff" not in self.names:
+            return x
+        return x + self._scaled(getattr(self, self.names["ff"])(
+            getattr(self, self.ff_norm_name)(x)))
 
     def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
         return branch if self.residual_scale == 1.0 else branch * self.residual_scale
@@ -131,9 +166,9 @@ class HybridForCausalLM(nn.Module):
         self.hybrid_cfg, self.cfg = cfg, cfg.base
         base = cfg.base
         self.embed_tokens = nn.Embedding(base.vocab_size, base.hidden_size)
-        rank = {i: r for kind in (cfg.attention_layers, cfg.recurrent_layers)
-                for r, i in enumerate(kind)}
-        self.layers = nn.ModuleList(_layer(family, cfg, i, rank[i])
+        kv_index = {i: r for r, i in enumerate(cfg.attention_layers)}
+        pool_index = {i: r for r, i in enumerate(cfg.recurrent_layers)}
+        self.layers = nn.ModuleList(_layer(family, cfg, i, kv_index.get(i), pool_index.get(i))
                                     for i in range(base.num_layers))
         self.family = family
         self.final_norm_name = family.final_norm_name
@@ -180,24 +215,34 @@ class HybridForCausalLM(nn.Module):
             raise RuntimeError("set_state_context before make_state_backend")
         self.state_backend.plan(meta, state_slots, verify or [False] * meta.batch_size)
 
+    def weight_role(self, name: str) -> tuple[int, str] | None:
+        """A checkpoint tensor -> (its layer, the role its module has there: the family's
+        attention or recurrent mixer name), or None for any other tensor."""
+        f = self.family
+        roles = "|".join(re.escape(n) for n in (f.attention_name, f.mixer_name))
+        m = re.match(rf"{re.escape(self.checkpoint_prefix)}layers\.(\d+)\.({roles})\.", name)
+        return (int(m.group(1)), m.group(2)) if m else None
+
+    def roles_of(self, layer: int) -> set[str]:
+        """The roles weight_role should find in layer `layer` (by its kind)."""
+        f = self.family
+        return {ATTENTION: {f.attention_name}, RECURRENT: {f.mixer_name}, MLP: {f.mlp_name},
+                PARALLEL: {f.attention_name, f.mixer_name}}[self.hybrid_cfg.layer_types[layer]]
+
     def check_checkpoint(self, path: str | Path) -> None:
         """The checkpoint's per-layer mixer weights must match layer_types (before loading)."""
-        mixer = self.family.mixer_name
         found: dict[int, set[str]] = {}
         for name in tensor_names(path):
-            m = re.match(rf"{re.escape(self.checkpoint_prefix)}layers\.(\d+)\.({mixer}|self_attn)\.",
-                         name)
-            if m:
-                found.setdefault(int(m.group(1)), set()).add(m.group(2))
+            if (hit := self.weight_role(name)) is not None:
+                found.setdefault(hit[0], set()).add(hit[1])
         types = self.hybrid_cfg.layer_types
         for i, kind in enumerate(types):
-            want = "self_attn" if kind == ATTENTION else mixer
-            have = found.get(i, set())
-            if have != {want}:
+            want, have = self.roles_of(i), found.get(i, set())
+            if have != want:
                 raise ValueError(
                     f"checkpoint {path}: layer {i} is {kind!r} in config.json (attention "
                     f"layers {self.hybrid_cfg.attention_layers}) but its weights are "
-                    f"{sorted(have) or 'missing'}, not {want!r}")
+                    f"{sorted(have) or 'missing'}, not {sorted(want)}")
         if extra := sorted(set(found) - set(range(len(types)))):
             raise ValueError(f"checkpoint {path}: weights for layers {extra} beyond the "
                              f"{len(types)} layers of config.json")
@@ -233,13 +278,20 @@ class HybridForCausalLM(nn.Module):
         return logits if scaling == 1.0 else logits / scaling
 
 
-def _layer(family: HybridFamily, cfg: HybridConfig, layer_id: int, rank: int) -> HybridLayer:
-    """Layer layer_id: its kind's mixer (rank: its index among that kind's layers), norms, MLP."""
+def _layer(family: HybridFamily, cfg: HybridConfig, layer_id: int, kv_index: int | None,
+           pool_index: int | None) -> HybridLayer:
+    """Layer layer_id: its kind's modules (attention at KV-cache index kv_index, the recurrent
+    mixer at state-pool index pool_index), its norms and, unless single blocks, its MLP."""
     base, kind = cfg.base, cfg.layer_types[layer_id]
-    mixer = (family.attention(base, rank) if kind == ATTENTION
-             else family.recurrent(cfg.state, rank))
-    mlp = (MoE(cfg.moe) if layer_id in cfg.moe_layers
-           else GatedMLP(base.hidden_size, base.intermediate_size))
-    return HybridLayer(family, kind, family.norm(base.hidden_size, base.rms_norm_eps),
-                       mixer, family.norm(base.hidden_size, base.rms_norm_eps), mlp,
+    norm = lambda: family.norm(base.hidden_size, base.rms_norm_eps)
+    mixers: dict[str, nn.Module] = {}
+    if kind in WITH_STATE:
+        mixers["recurrent"] = family.recurrent(cfg.state, pool_index)
+    if kind in WITH_ATTENTION:
+        mixers["attention"] = family.attention(base, kv_index)
+    if kind == MLP:                     # single-block families only
+        mixers["mlp"] = family.mlp(cfg, layer_id)
+    if family.ff_norm_name is None:
+        return HybridLayer(family, kind, norm(), mixers, residual_scale=cfg.residual_multiplier)
+    return HybridLayer(family, kind, norm(), mixers, norm(), family.mlp(cfg, layer_id),
                        cfg.residual_multiplier)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.prepare.tiny_hybrid import make_tiny_hybrid
+from dflash.prepare.tiny_hybrid import TINY_NEMOTRON_H, make_tiny_hybrid
 from runtime.attention.metadata import SeqSlice
 from runtime.kv_cache import PageTable
 from services.target.worker import TargetWorker
@@ -17,7 +17,7 @@ __all__ = ["HybridSeq", "attention_at", "forward_many", "hf_greedy", "hf_logits"
 
 
 def hf_model(model_dir: str | Path):
-    """transformers' model of the checkpoint's family (Bamba, Qwen3.5), fp32."""
+    """transformers' model of the checkpoint's family (Bamba, Qwen3.5, NemotronH, ...), fp32."""
     import json
 
     import transformers
@@ -25,16 +25,27 @@ def hf_model(model_dir: str | Path):
     cls = {"bamba": "BambaForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM",
            "qwen3_5_text": "Qwen3_5ForCausalLM",
            "qwen3_5": "Qwen3_5ForConditionalGeneration",
-           "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"
+           "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+           "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM"
            }[model_type]
     return getattr(transformers, cls).from_pretrained(str(model_dir),
                                                       dtype=torch.float32).eval()
 
 
 def attention_at(family: str, layers: int, attn: list[int]) -> dict:
-    """config.json fields putting full attention at layers `attn` (the rest recurrent)."""
+    """config.json fields putting full attention at layers `attn` (the rest recurrent; NemotronH:
+    the rest as in its tiny checkpoint, mamba where that attends; Falcon-H1: every layer attends
+    and scans, only the count changes)."""
     if family == "bamba":
         return {"num_hidden_layers": layers, "attn_layer_indices": attn}
+    if family == "falcon_h1":
+        return {"num_hidden_layers": layers}
+    if family == "nemotron_h":
+        tiny = TINY_NEMOTRON_H["layers_block_type"]
+        return {"layers_block_type": [
+            "full_attention" if i in attn else
+            "linear_attention" if tiny[i] == "full_attention" else tiny[i]
+            for i in range(layers)]}
     return {"num_hidden_layers": layers, "layer_types": [
         "full_attention" if i in attn else "linear_attention" for i in range(layers)]}
 
