@@ -105,17 +105,30 @@ def test_capabilities_report_hybrid_commit_and_state_slots(hybrid_dir, logs, ser
         assert refused.stop() == 0
 
 
-def test_a_hybrid_target_verifies_chains_only(server):
-    """Its recurrent state follows one path: no trees (max_tree_nodes 0), a tree Verify is
-    refused saying so, and the sequence goes on with chains."""
+def test_a_hybrid_target_verifies_trees_and_commits_the_accepted_path(server):
+    """Trees within its verify states (max_tree_nodes = --max-block-size - 1): a tree whose
+    greedy path runs through nodes 2, 4, 5 - beside wrong siblings at rows 1 and 3 - commits
+    the greedy tokens, and decoding after it goes on as plain greedy decoding does (the
+    recurrent state committed is row 5's, the path's end, not row 3's, the accepted count's).
+    A tree over the limit is refused naming it."""
     client = TargetClient(server.address)
     try:
-        assert client.capabilities().max_tree_nodes == 0
+        assert client.capabilities().max_tree_nodes == 7
+        want = client.greedy("ref", PROMPT, 8)
         first = client.prefill("tree", PROMPT).next_token
-        expect_status(lambda: client.verify("tree", [first, 5, 6], [0, 0]),
-                      grpc.StatusCode.INVALID_ARGUMENT, "chains only", "hybrid")
-        assert len(client.verify("tree", [first, 5]).committed_tokens) >= 1
+        g1, g2, g3 = want[1:4]
+        wrong1, wrong2 = (g1 + 1) % 256, (g2 + 1) % 256
+        resp = client.verify("tree", [first, wrong1, g1, wrong2, g2, g3], [0, 0, 2, 2, 4])
+        assert resp.accepted == 3 and list(resp.committed_tokens) == want[1:5]
+        out = want[:5]
+        while len(out) < 8:
+            out += list(client.verify("tree", [out[-1]]).committed_tokens)
+        assert out == want
         client.release("tree")
+        first = client.prefill("big", PROMPT).next_token
+        expect_status(lambda: client.verify("big", [first] + [5] * 8, [0] * 8),
+                      grpc.StatusCode.INVALID_ARGUMENT, "max_tree_nodes 7")
+        client.release("big")
     finally:
         client.close()
 

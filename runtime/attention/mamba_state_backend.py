@@ -5,9 +5,11 @@ Per forward each sequence is in one of two modes:
   advance  prefill chunks, decode steps and 1-token verify blocks: the live state moves to the
            last token (a 1-token block's only token, the anchor, is always committed).
   verify   blocks of 2+ tokens: the live state is left alone; the window and SSM state after
-           each block position i go to the sequence's verify slot at index i.
+           each block position i go to the sequence's verify slot at index i. A tree of drafts
+           (the metadata's tree mask): each position continues its parent's state
+           (runtime/layers/tree_scan.py), so index i holds the state after i's whole path.
 After acceptance, commit_verified_state([(slot, a), ...]) copies index a (the last committed
-block position) into the live state - it must run before the next forward's plan replaces
+block position: the accepted path's last node in a tree) into the live state - it must run before the next forward's plan replaces
 this one. MambaStatePath cannot commit (it has no commit_verified_state, so a HybridAttnBackend
 around it reports can_commit_mamba_state() False); MambaStateBackend can."""
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from runtime.attention.metadata import AttentionMetadata
 from runtime.layers.mamba2 import Mamba2Mixer
+from runtime.layers.tree_scan import parents_from_mask
 from runtime.state_pool import MambaStatePool
 
 
@@ -33,6 +36,8 @@ class ScanGroup:
     rows: torch.Tensor
     slots: torch.Tensor
     verify_slots: torch.Tensor | None
+    parents: torch.Tensor | None = None     # [b, L] each row's parent row, when a member
+                                            # verifies a tree (chains: j - 1); None: chains
 
 
 @dataclass(frozen=True)
@@ -54,15 +59,17 @@ class MambaStatePath:
         if len(state_slots) != meta.batch_size or len(verify) != meta.batch_size:
             raise ValueError(f"{len(state_slots)} state slots / {len(verify)} verify flags for "
                              f"a batch of {meta.batch_size} sequences")
-        keyed: dict[tuple[bool, int], list[tuple[int, int, int | None]]] = {}
+        keyed: dict[tuple[bool, int], list[Member]] = {}
         verified, advanced, start = {}, set(), 0
-        for slot, is_verify, q_len in zip(state_slots, verify, meta.q_lens):
+        trees = meta.tree_masks or [None] * meta.batch_size
+        for slot, is_verify, q_len, tree in zip(state_slots, verify, meta.q_lens, trees):
             keep, vslot = self._mode(slot, is_verify, q_len)
             if keep:
                 verified[slot] = (vslot, q_len)
             elif is_verify:
                 advanced.add(slot)
-            keyed.setdefault((keep, q_len), []).append((start, slot, vslot))
+            parents = parents_from_mask(tree) if keep and tree is not None else None
+            keyed.setdefault((keep, q_len), []).append(Member(start, slot, vslot, parents))
             start += q_len
         device = self.pool.ssm.device
         groups = [_group(keep, q_len, members, device) for (keep, q_len), members in keyed.items()]
@@ -96,7 +103,7 @@ class MambaStatePath:
                         device=xbc.device)
         for g in self._plan.groups:
             out = mixer.scan(pool.conv[layer, g.slots], pool.ssm[layer, g.slots], xbc[g.rows],
-                             dt[g.rows], g.keep_states)
+                             dt[g.rows], g.keep_states, g.parents)
             y[g.rows.flatten()] = out.y.flatten(0, 1)
             if g.keep_states:
                 q_len = g.rows.shape[1]
@@ -134,11 +141,25 @@ class MambaStateBackend(MambaStatePath):
         self.pool.ssm[:, s] = self.pool.verify_ssm[:, v, i]
 
 
-def _group(keep: bool, q_len: int, members: list[tuple[int, int, int | None]],
-           device: torch.device) -> ScanGroup:
-    rows = torch.tensor([[start + j for j in range(q_len)] for start, _, _ in members],
+@dataclass(frozen=True)
+class Member:
+    """One sequence of a scan group: its first row in the forward, live and verify slots, and
+    its tree's parent rows (None: a chain, or not a verify)."""
+    start: int
+    slot: int
+    vslot: int | None
+    parents: list[int] | None = None
+
+
+def _group(keep: bool, q_len: int, members: list[Member], device: torch.device) -> ScanGroup:
+    rows = torch.tensor([[m.start + j for j in range(q_len)] for m in members],
                         dtype=torch.int64, device=device)
-    slots = torch.tensor([slot for _, slot, _ in members], dtype=torch.int64, device=device)
-    vslots = (torch.tensor([v for _, _, v in members], dtype=torch.int64, device=device)
+    slots = torch.tensor([m.slot for m in members], dtype=torch.int64, device=device)
+    vslots = (torch.tensor([m.vslot for m in members], dtype=torch.int64, device=device)
               if keep else None)
-    return ScanGroup(keep, rows, slots, vslots)
+    parents = None
+    if any(m.parents is not None for m in members):
+        chain = list(range(-1, q_len - 1))
+        parents = torch.tensor([m.parents if m.parents is not None else chain for m in members],
+                               dtype=torch.int64, device=device)
+    return ScanGroup(keep, rows, slots, vslots, parents)

@@ -26,6 +26,7 @@ from torch import nn
 
 from runtime.layers.linear import Linear
 from runtime.layers.mamba2 import ScanOut, causal_conv
+from runtime.layers.tree_scan import delta_tree, tree_conv
 
 if TYPE_CHECKING:  # the backend imports the layers
     from runtime.attention.mamba_state_backend import MambaStatePath
@@ -188,13 +189,17 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out)
 
     def scan(self, window: torch.Tensor, S: torch.Tensor, qkv: torch.Tensor,
-             gates: torch.Tensor, keep_states: bool) -> ScanOut:
+             gates: torch.Tensor, keep_states: bool, parents: torch.Tensor | None = None
+             ) -> ScanOut:
         """b sequences of L tokens from their states: window [b, C, K-1], S [b, nv, dk, dv],
         qkv [b, L, C], gates [b, L, 2 nv] (b | a). L == 1 takes one step; keep_states (verify)
-        returns the window and state after every position; else the chunked prefill."""
+        returns the window and state after every position; else the chunked prefill. parents
+        [b, L] (a verified tree, runtime/layers/tree_scan.py): each row follows its parent."""
         cfg = self.cfg
         b, L, _ = qkv.shape
-        mixed, conv = causal_conv(window, qkv, self.conv1d.weight, None, keep_states)
+        mixed, conv = (tree_conv(window, qkv, self.conv1d.weight, None, parents)
+                       if parents is not None else
+                       causal_conv(window, qkv, self.conv1d.weight, None, keep_states))
         q, k, v = mixed.float().split([cfg.key_dim, cfg.key_dim, cfg.intermediate_size], -1)
         rep = cfg.num_v_heads // cfg.num_k_heads
         q = l2_normalize(q.view(b, L, cfg.num_k_heads, cfg.head_k_dim)).repeat_interleave(rep, 2)
@@ -205,7 +210,9 @@ class GatedDeltaNet(nn.Module):
         beta = b_raw.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a_raw.float() + self.dt_bias.float())
         S = S.float()
-        if keep_states or L == 1:
+        if parents is not None:
+            o, S = delta_tree(S, q, k, v, g, beta, parents, delta_step)
+        elif keep_states or L == 1:
             o, S = delta_recurrent(S, q, k, v, g, beta, keep_states)
         else:
             o, S = delta_chunked(S, q, k, v, g, beta, cfg.chunk_size)

@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--block-size", 8, int, "prompt lookup: the block size it advertises")
     flags.add(p, "--max-ngram", 4, int, "prompt lookup: longest suffix n-gram matched")
     flags.add(p, "--min-ngram", 1, int, "prompt lookup: shortest suffix n-gram matched")
+    flags.add(p, "--lookup-tree-nodes", 0, int, "prompt lookup: most drafts in a tree of the "
+              "continuations of the suffix's earlier occurrences (0 = chains only)")
     flags.add(p, "--feature-dtype", "bfloat16", str, "dtype Propose features arrive in")
     tls.add_client_flags(p)          # the link to a target's feature stream (another host)
     args = p.parse_args(argv)
@@ -68,6 +70,7 @@ def config_from_args(args: argparse.Namespace) -> DraftConfig:
         kv_budget_bytes=args.kv_budget, page_size=args.page_size,
         max_block_size=args.max_block_size, max_tree_nodes=args.max_tree_nodes,
         block_size=args.block_size, max_ngram=args.max_ngram, min_ngram=args.min_ngram,
+        lookup_tree_nodes=args.lookup_tree_nodes,
         token_budget=args.token_budget, lease_seconds=args.lease_seconds,
         feature_dtype=args.feature_dtype, model_id=args.model_id,
         cuda_graphs=not args.no_cuda_graphs, cpu_gemm=args.cpu_gemm,

@@ -24,6 +24,8 @@ class DraftConfig:
     max_tree_nodes: int = 255          # dflash: draft nodes a tree Propose may ask for (0 = chains)
     block_size: int = 8                # prompt lookup: the advertised block size
     max_ngram: int = 4                 # prompt lookup: longest suffix n-gram tried
+    lookup_tree_nodes: int = 0         # prompt lookup: most drafts in a tree of continuations
+                                       # (0 = chains)
     min_ngram: int = 1
     token_budget: int = 4096           # feature rows + block tokens per engine iteration
     lease_seconds: float = 120.0
@@ -53,6 +55,9 @@ class DraftConfig:
         if self.max_tree_nodes < 0:
             raise ValueError(f"max_tree_nodes must be >= 0 (0 = chains only), got "
                              f"{self.max_tree_nodes}")
+        if self.lookup_tree_nodes < 0:
+            raise ValueError(f"lookup_tree_nodes must be >= 0 (0 = chains only), got "
+                             f"{self.lookup_tree_nodes}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, "
                              f"{self.max_ngram}")

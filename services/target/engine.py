@@ -258,7 +258,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
     def _commit_mamba_states(self, parts: list[Part], accepted: list[Acceptance | None]) -> None:
         """Hybrid models: each verified sequence keeps the recurrent state of its last
         committed block row (docs/architecture.md §6)."""
-        commits = [(p.item.seq.state_slot, acc.accepted)
+        commits = [(p.item.seq.state_slot, last_row(acc))
                    for p, acc in zip(parts, accepted) if acc is not None]
         if commits and self.worker.facts.hybrid:
             self.worker.commit_mamba_state(commits)
@@ -283,7 +283,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
                     checkpoints.save_live(key, seq.state_slot)
                 else:
                     checkpoints.save_verified(key, self.worker.state_pool.verify_slot(
-                        seq.state_slot), boundary - 1 - start)
+                        seq.state_slot), committed_row(acc, boundary - 1 - start))
 
     # -- SequenceEngine --------------------------------------------------------------------------
     def _free(self, seq: TargetSequence) -> None:
@@ -352,3 +352,13 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return t
     return t.index_select(0, to_device_index(torch.tensor(rows), t.device))
 
+
+def last_row(acc: Acceptance) -> int:
+    """The block row of a verify's last committed position (a chain: its accepted count; a
+    tree: the accepted path's last node)."""
+    return committed_row(acc, acc.accepted)
+
+
+def committed_row(acc: Acceptance, k: int) -> int:
+    """The block row of a verify's k-th committed position (0: the anchor)."""
+    return acc.rows[k] if acc.rows else k

@@ -195,8 +195,8 @@ def _checked_tree(ids: list[int], parents: list[int], worker: TargetWorker) -> D
     the draft proposed, the engine trusts this)."""
     max_nodes, max_b = worker.max_tree_nodes, worker.config.max_block_size
     if max_nodes == 0:
-        raise InvalidArgument("this target verifies chains only (max_tree_nodes 0: a hybrid "
-                              "model or --max-tree-nodes 0): send no parents")
+        raise InvalidArgument("this target verifies chains only (--max-tree-nodes 0, or a "
+                              "hybrid model with --max-block-size 1): send no parents")
     tree = DraftTree(ids[1:], parents)
     problem = tree_problem(tree, max_nodes, max_b - 1)
     if problem is not None:

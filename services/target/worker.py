@@ -206,20 +206,20 @@ class TargetWorker:
         cls = backend_class(self.config.attention_backend)
         check_backend_fits(cls, layout, self.kv_dtype)
         time.sleep(self.hooks.backend_delay_s)
-        backend: AttentionBackend = cls(self.kv_cache, layout.num_heads, layout.num_kv_heads,
-                                        layout.head_dim, layout.scale)
-        if self.facts.hybrid:
-            mamba = self.model.make_state_backend(self.state_pool, self.hooks.mamba_commit)
-            backend = HybridAttnBackend(backend, mamba)
-        elif self.hooks.hybrid_wrapper:
-            backend = HybridAttnBackend(backend)
-        self._attn_backend = backend
+        full: AttentionBackend = cls(self.kv_cache, layout.num_heads, layout.num_kv_heads,
+                                     layout.head_dim, layout.scale)
         # trees of drafts: the backend itself where it reads tree masks, else triton on a GPU
-        # (where it is installed) or the reference backend, over the same cache (eager);
-        # hybrid models verify chains only
-        self._tree_backend = None
-        if not self.facts.hybrid:
-            self._tree_backend = backend if backend.supports_trees else self._tree_fallback(layout)
+        # (where it is installed) or the reference backend, over the same cache (eager)
+        tree = full if full.supports_trees else self._tree_fallback(layout)
+        backend, self._tree_backend = full, tree
+        if self.facts.hybrid:       # one state backend: a tree's rows follow their parents
+            mamba = self.model.make_state_backend(self.state_pool, self.hooks.mamba_commit)
+            backend = HybridAttnBackend(full, mamba)
+            self._tree_backend = backend if tree is full else HybridAttnBackend(tree, mamba)
+        elif self.hooks.hybrid_wrapper:
+            backend = HybridAttnBackend(full)
+            self._tree_backend = backend if tree is full else tree
+        self._attn_backend = backend
         # Decided only now, from the model (does it have mamba layers?) and the backend that
         # exists (can it commit?) - a delegating wrapper alone never makes this True.
         self._need_mamba_verify_commit = self.facts.hybrid and can_commit_mamba_state(backend)
@@ -243,12 +243,13 @@ class TargetWorker:
 
     @property
     def max_tree_nodes(self) -> int:
-        """Draft nodes a tree Verify may carry (0: chains only - a hybrid model, whose recurrent
-        state follows one path)."""
+        """Draft nodes a tree Verify may carry (a hybrid model: within the recurrent states a
+        verify slot keeps, one per block row)."""
         self._require("backends", "max_tree_nodes")
-        if self._tree_backend is None:
-            return 0
-        return min(self.config.max_tree_nodes, self.config.token_budget - 1)
+        nodes = min(self.config.max_tree_nodes, self.config.token_budget - 1)
+        if self.facts.hybrid:
+            nodes = min(nodes, self.state_pool.max_block_size - 1)
+        return nodes
 
     def mark_ready(self) -> None:
         self._require("backends", "readiness")
