@@ -57,3 +57,30 @@ def test_dflash_drafting_against_it_through_the_services_equals_transformers(tar
         assert tokens == reference
     finally:
         assert gateway.stop() == 0 and draft.stop() == 0 and target.stop() == 0
+
+
+def test_a_drafter_tapping_a_layer_the_target_lacks_is_refused_before_serving(target_dir,
+                                                                              tmp_path):
+    """Taps [1, 9] against the 4-layer text model (Gated DeltaNet / attention layers 0-3): the
+    draft service exits at start-up naming target_layer_ids and the allowed range, and its
+    health never says SERVING."""
+    import json
+    import time
+
+    from grpc_health.v1 import health_pb2
+    from support.draft_service import SERVICE
+    from support.procs import health_status
+    draft_dir = make_random_drafter(target_dir, tmp_path / "draft", target_layer_ids=[1, 2])
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [1, 9]
+    (draft_dir / "config.json").write_text(json.dumps(cfg))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    draft = start_draft(target_dir, logs, "--drafter", "dflash", model_dir=draft_dir, wait=False)
+    deadline = time.monotonic() + 120
+    while draft.proc.poll() is None and time.monotonic() < deadline:
+        assert (health_status(draft.address, SERVICE, timeout=1)
+                != health_pb2.HealthCheckResponse.SERVING)
+        time.sleep(0.2)
+    assert draft.stop() == 2
+    assert "target_layer_ids [1, 9] must be distinct ids in [0, 4)" in draft.log()
