@@ -30,12 +30,14 @@ from dataclasses import dataclass
 
 from gateway.acceptance_model import CHAIN, AcceptanceModel, ServiceAcceptance
 from gateway.cost_model import CostModel
+from gateway.exploration import ExplorationBudget
 from services.common import metrics
 
 log = logging.getLogger("dflash.gateway.speculation")
 
 TREE_SIZES = (7, 15, 63)                # the tree sizes auto considers (within the pair's max)
 EXPLORE_EVERY = 32                      # every this many batch decisions, the runner-up runs once
+                                        # (within gateway/exploration.py's budget)
 EXPLORE_RUNS = 3                        # ... unless serving has timed its verify rows this often
 DRAFT_MARGIN = 0.1                      # drafting must promise 10 % more committed tokens/s
 CATCH_UP_STEPS = 8                      # a draft context's catch-up is priced over this many steps
@@ -161,7 +163,8 @@ class SpeculationPolicy:
         self._batch = NO_DRAFTING       # the batch's shape, decided ...
         self._batch_size = 0            # ... for this many running requests ...
         self._since = 0                 # ... this many decides ago
-        self._decisions = 0             # batch decisions so far (exploration's clock)
+        self._decisions = 0             # batch decisions so far (exploration's clock) ...
+        self.budget = ExplorationBudget()   # ... and what exploring may cost
         self._exported = float("-inf")
 
     @property
@@ -198,8 +201,10 @@ class SpeculationPolicy:
         ranked = rank(options, self.cost)
         best = ranked[0]
         self._decisions += 1
-        if self._decisions % EXPLORE_EVERY == 0:
+        self.budget.tick()
+        if self._decisions % EXPLORE_EVERY == 0 and self.budget.allows():
             best = self._explore(ranked)
+        self.budget.mark(best is not ranked[0])
         if log.isEnabledFor(logging.DEBUG):
             log.debug("speculation chosen", extra={
                 "shape": best.shape, "requests": len(models), "expected": round(best.expected, 2),

@@ -477,3 +477,33 @@ def test_a_draft_context_backlog_is_priced_and_its_catch_up_spread_over_later_st
     assert decide(backlog=120, remaining=3) == NO_DRAFTING
     assert decide(backlog=120, remaining=400).drafts > 0
     assert decide(backlog=1000, remaining=4000) == NO_DRAFTING
+
+
+def test_exploration_costs_at_most_its_share_of_serving_time():
+    """A CPU at 8 requests: steps take 120 ms, an exploring one (every request drafts) 300 ms.
+    The first exploration comes at EXPLORE_EVERY decisions as before; its 180 ms excess then
+    holds the next one back until it is within 2 % of the serving time seen (not 32 steps
+    later but about 75); idle gaps between requests count as neither."""
+    import gateway.speculation_policy as sp
+    from gateway.exploration import EXPLORE_SHARE, ExplorationBudget
+    now = [0.0]
+    policy = SpeculationPolicy([(1, 0.010), (2, 0.019), (4, 0.038), (8, 0.075)])
+    policy.budget = ExplorationBudget(clock=lambda: now[0])
+    m = policy.model()
+    for _ in range(40):
+        m.observe(CHAIN, 3, 0)
+    limits = Limits(max_chain=3, max_tree=0, tree_depth=3)
+    explored = []
+    for i in range(8 * sp.EXPLORE_EVERY):
+        shape = policy.decide("a", m, limits)
+        if shape.drafts:
+            explored.append(i)
+        now[0] += 0.300 if shape.drafts else 0.120
+        if i == 100:
+            now[0] += 60.0                              # nobody ran for a minute
+    assert explored[0] == sp.EXPLORE_EVERY - 1
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    assert gaps and all(g >= 2 * sp.EXPLORE_EVERY for g in gaps)
+    budget = policy.budget
+    assert budget.spent <= EXPLORE_SHARE * budget.elapsed + 0.180
+    assert budget.elapsed < 8 * sp.EXPLORE_EVERY * 0.300
