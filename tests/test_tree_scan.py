@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from runtime.layers.gated_deltanet import delta_recurrent, delta_step
+from runtime.layers.gated_deltanet import delta_recurrent
 from runtime.layers.mamba2 import causal_conv, ssd_block
 from runtime.layers.tree_scan import (
     ancestor_mask,
     chain_parents,
     conv_taps,
-    delta_tree,
     parents_from_mask,
     ssd_tree,
     tree_conv,
@@ -97,8 +96,11 @@ def test_ssd_tree_follows_each_rows_path():
             torch.testing.assert_close(states[b, t], ref_states[0, -1])
 
 
-def test_delta_tree_follows_each_rows_path_and_a_chain_is_the_recurrence():
-    g = torch.Generator().manual_seed(2)
+def test_the_delta_rules_closed_form_keeps_every_rows_state_on_chains_and_trees():
+    """delta_block (a verify block in a few batched products) against the recurrence: on a
+    chain, and along every path of a tree."""
+    from runtime.layers.gated_deltanet import delta_block
+    g = torch.Generator().manual_seed(3)
     b, L, nv, dk, dv = 2, len(TREE), 2, 4, 3
     S = torch.randn(b, nv, dk, dv, generator=g)
     q, k = (torch.nn.functional.normalize(torch.randn(b, L, nv, dk, generator=g), dim=-1)
@@ -106,12 +108,12 @@ def test_delta_tree_follows_each_rows_path_and_a_chain_is_the_recurrence():
     v = torch.randn(b, L, nv, dv, generator=g)
     gate = -torch.rand(b, L, nv, generator=g)
     beta = torch.rand(b, L, nv, generator=g)
-    o, states = delta_tree(S, q, k, v, gate, beta, chain_parents(b, L, "cpu"), delta_step)
+    chain = ancestor_mask(chain_parents(b, L, "cpu"))
+    o, states = delta_block(S, q, k, v, gate, beta, chain)
     ref_o, ref_states = delta_recurrent(S, q, k, v, gate, beta, keep_states=True)
     torch.testing.assert_close(o, ref_o)
     torch.testing.assert_close(states, ref_states)
-    parents = torch.tensor([TREE, TREE])
-    o, states = delta_tree(S, q, k, v, gate, beta, parents, delta_step)
+    o, states = delta_block(S, q, k, v, gate, beta, ancestor_mask(torch.tensor([TREE, TREE])))
     for t in range(L):
         p = path_of(TREE, t)
         ref_o, ref_states = delta_recurrent(S, q[:, p], k[:, p], v[:, p], gate[:, p],

@@ -26,7 +26,7 @@ from torch import nn
 
 from runtime.layers.linear import Linear
 from runtime.layers.mamba2 import ScanOut, causal_conv
-from runtime.layers.tree_scan import delta_tree, tree_conv
+from runtime.layers.tree_scan import ancestor_mask, chain_parents, tree_conv
 
 if TYPE_CHECKING:  # the backend imports the layers
     from runtime.attention.mamba_state_backend import MambaStatePath
@@ -96,6 +96,33 @@ def delta_recurrent(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         if keep_states:
             states.append(S)
     return torch.stack(outs, dim=1), torch.stack(states, dim=1) if keep_states else S
+
+
+def delta_block(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                g: torch.Tensor, beta: torch.Tensor, mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify block in closed form, keeping the state after every row: -> (o [b, L, nv, dv],
+    states [b, L, nv, dk, dv]). mask bool [b, L, L]: row t reads rows s with mask[t, s] - its
+    ancestors and itself (a chain: s <= t; a tree of drafts: its path, runtime/layers/
+    tree_scan.py). As delta_chunked's chunk with path sums G_t of g along t's path and
+    D[t, s] = exp(G_t - G_s) on the path (0 off it): the writes solve (I + A) u = beta (v -
+    exp(G) k^T S_0), A[t, s] = beta_t D[t, s] k_t.k_s for s a strict ancestor (lower
+    triangular: ancestors come first), and S_t = exp(G_t) S_0 + sum_s D[t, s] k_s u_s^T - a few
+    batched products instead of L sequential steps."""
+    qh, kh, vh, gh, bh = (x.transpose(1, 2) for x in (q, k, v, g, beta))   # [b, nv, L, ...]
+    on = mask[:, None]                                                     # [b, 1, t, s]
+    G = torch.einsum("bts,bhs->bht", mask.to(gh.dtype), gh)                # path sums
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(~on, float("-inf")).exp()
+    strict = on & ~torch.eye(mask.shape[-1], dtype=torch.bool, device=mask.device)
+    A = (torch.einsum("bhtk,bhsk->bhts", kh, kh) * D * bh[..., None]).masked_fill(~strict, 0.0)
+    rhs = bh[..., None] * (vh - G.exp()[..., None] * torch.einsum("bhtk,bhkv->bhtv", kh, S))
+    u = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    o = (G.exp()[..., None] * torch.einsum("bhtk,bhkv->bhtv", qh, S)
+         + (torch.einsum("bhtk,bhsk->bhts", qh, kh) * D) @ u)
+    weighted = D[..., None] * kh[:, :, None]                               # [b, nv, t, s, dk]
+    states = (G.exp()[..., None, None] * S[:, :, None]
+              + torch.einsum("bhtsk,bhsv->bhtkv", weighted, u))
+    return o.transpose(1, 2), states.transpose(1, 2)
 
 
 def delta_chunked(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -210,10 +237,12 @@ class GatedDeltaNet(nn.Module):
         beta = b_raw.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a_raw.float() + self.dt_bias.float())
         S = S.float()
-        if parents is not None:
-            o, S = delta_tree(S, q, k, v, g, beta, parents, delta_step)
-        elif keep_states or L == 1:
-            o, S = delta_recurrent(S, q, k, v, g, beta, keep_states)
+        if parents is not None or keep_states:      # a verify: every row's state
+            if parents is None:
+                parents = chain_parents(b, L, qkv.device)
+            o, S = delta_block(S, q, k, v, g, beta, ancestor_mask(parents))
+        elif L == 1:
+            o, S = delta_recurrent(S, q, k, v, g, beta, keep_states=False)
         else:
             o, S = delta_chunked(S, q, k, v, g, beta, cfg.chunk_size)
         return ScanOut(o.reshape(b, L, -1), conv, S)

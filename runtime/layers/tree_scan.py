@@ -10,7 +10,7 @@ kept (verify), so that the accepted path's last row can be committed.
     tree_conv   the causal depthwise conv along each row's ancestors (the K-1 nearest, then the
                 live window), and the window after each row
     ssd_tree    Mamba2's SSD in closed form under the ancestor mask
-    delta_tree  the gated delta rule, row by row from the parent's state"""
+(the gated delta rule's verify form, gated_deltanet.delta_block, takes the ancestor mask too)."""
 from __future__ import annotations
 
 import torch
@@ -87,22 +87,3 @@ def ssd_tree(h0: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, dA: torch.Tens
               + torch.einsum("btsh,bshp,bshn->bthpn", decay, xdt, B))
     y = torch.einsum("blhn,blhpn->blhp", C, states) + D[:, None] * x
     return y, states
-
-
-def delta_tree(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               g: torch.Tensor, beta: torch.Tensor, parents: torch.Tensor,
-               step) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over a tree (shapes as gated_deltanet.delta_recurrent; `step` is its
-    delta_step) -> (o [b, L, nv, dv], the state after every row [b, L, nv, dk, dv])."""
-    b, L = parents.shape
-    states = S.new_empty(b, L, *S.shape[1:])
-    outs = []
-    rows = torch.arange(b, device=S.device)
-    for t in range(L):
-        if t == 0:
-            prev = S
-        else:
-            prev = states[rows, parents[:, t]]
-        o, states[:, t] = step(prev, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
-        outs.append(o)
-    return torch.stack(outs, dim=1), states
