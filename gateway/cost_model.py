@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import bisect
 import logging
-import statistics
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gateway.propose_line import ProposeLine
 from services.common import metrics
 
 log = logging.getLogger("dflash.gateway.cost")
@@ -45,7 +44,6 @@ ALPHA = 0.1                             # weight of a new observation in each mo
 MAX_WEIGHT = 50.0                       # a point's weight in the fit stops growing here
 UNOBSERVED_WEIGHT = 0.1                 # warm-up points' weight once one proved wrong
 PLAUSIBLE = (0.2, 5.0)                  # serving / warm-up time ratios a curve's scale explains
-PROPOSE_WINDOW = 25                     # Propose round trips the line is fitted through
 
 
 @dataclass
@@ -160,10 +158,9 @@ class CostModel:
         the forward's rows, padding included."""
         self.chains, self.trees = VerifyCurve(curve), VerifyCurve(tree_curve, monotone=False)
         self.padded_blocks = tuple(sorted(padded_blocks))
-        self._proposes: deque[tuple[int, float]] = deque(maxlen=PROPOSE_WINDOW)
+        self.chain_proposes, self.tree_proposes = ProposeLine(), ProposeLine()
         self.propose_s = 0.0            # a chain Propose's forward of no rows (0: none timed) ...
         self.propose_per_row_s = 0.0    # ... and each row of it
-        self._tree_proposes: deque[tuple[int, float]] = deque(maxlen=PROPOSE_WINDOW)
         self.tree_propose = (0.0, 0.0)  # the same for trees (intercept, per row)
         self.propose_overhead_s = 0.0   # a Propose's round trip beyond its forward
         self.overhead_s = 0.0
@@ -202,7 +199,7 @@ class CostModel:
     def propose_cost(self, rows: float, tree: bool = False) -> float:
         """A Propose whose draft forward runs `rows` rows (every proposing sequence's appended
         context rows plus its block; a tree: its own line once one was timed), round trip."""
-        base, per_row = (self.tree_propose if tree and self._tree_proposes
+        base, per_row = (self.tree_propose if tree and self.tree_proposes.known
                          else (self.propose_s, self.propose_per_row_s))
         return self.propose_overhead_s + base + per_row * rows
 
@@ -230,13 +227,11 @@ class CostModel:
     def seed_proposes(self, chains: Iterable[tuple[int, float]],
                       trees: Iterable[tuple[int, float]] = ()) -> None:
         """The draft's warm-up points (DraftCapabilities.propose_cost: engine time by forward
-        rows): the lines' prior until serving has timed Proposes of its own, which push them
-        out of the window. Only into an empty window."""
-        for window, points, tree in ((self._proposes, list(chains), False),
-                                     (self._tree_proposes, list(trees), True)):
-            if points and not window:
-                for rows, seconds in points:
-                    self._propose_point(window, rows, seconds, tree)
+        rows): the lines' prior, at serving's level once serving has timed Proposes of its own
+        (gateway/propose_line.py). Only into a line that has none."""
+        self.chain_proposes.seed(chains)
+        self.tree_proposes.seed(trees)
+        self._lines()
 
     def observe_propose(self, wall_s: float, rows: int = 0, tree: bool = False,
                         forward_s: float = 0.0) -> None:
@@ -247,22 +242,21 @@ class CostModel:
         if forward_s > 0:
             self.propose_overhead_s = _average(self.propose_overhead_s,
                                                max(0.0, wall_s - forward_s))
-        self._propose_point(self._tree_proposes if tree else self._proposes, rows,
-                            forward_s if forward_s > 0 else wall_s, tree)
+        line = self.tree_proposes if tree else self.chain_proposes
+        line.observe(rows, forward_s if forward_s > 0 else wall_s)
+        self._lines()
 
-    def _propose_point(self, window: deque, rows: int, seconds: float, tree: bool) -> None:
-        window.append((rows, seconds))
-        if tree:
-            self.tree_propose = robust_line(window)
-        else:
-            self.propose_s, self.propose_per_row_s = robust_line(window)
+    def _lines(self) -> None:
+        self.propose_s, self.propose_per_row_s = self.chain_proposes.line
+        self.tree_propose = self.tree_proposes.line
 
     def export(self, model: str) -> None:
         """dflash_spec_cost_seconds: the model's parts now."""
         if not model:
             return
         values = {"verify_1": self.verify_s(1), "verify_per_token": self.chains.per_token_s(),
-                  "propose": self.propose_s, "overhead": self.overhead_s}
+                  "propose": self.propose_s, "propose_per_row": self.propose_per_row_s,
+                  "propose_overhead": self.propose_overhead_s, "overhead": self.overhead_s}
         for component, v in values.items():
             metrics.SPEC_COST.labels(model, component).set(v)
 
@@ -280,17 +274,6 @@ def monotone_fit(points: list[tuple[int, float, float]]) -> list[tuple[int, floa
             blocks[-1][2] += n
     ys = [b[0] / b[1] for b in blocks for _ in range(int(b[2]))]
     return [(x, y) for (x, _, _), y in zip(points, ys)]
-
-
-def robust_line(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
-    """(intercept, slope) of a Theil-Sen line through (x, y) points: the median of the
-    pairwise slopes (not below 0), and the median intercept under it; with one x value, its
-    median y and slope 0. Outliers (a first run, a busy moment) move neither."""
-    points = list(points)
-    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points)
-              for x2, y2 in points[i + 1:] if x2 != x1]
-    slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
-    return max(0.0, statistics.median(y - slope * x for x, y in points)), slope
 
 
 def _extrapolate(fit: list[tuple[int, float]], tokens: int) -> float:

@@ -378,7 +378,7 @@ def test_exploration_stops_once_the_runner_up_was_timed_often_enough():
 
 
 def test_robust_line_recovers_a_line_through_outliers():
-    from gateway.cost_model import robust_line
+    from gateway.propose_line import robust_line
     points = [(x, 0.008 + 0.001 * x) for x in (1, 2, 3, 5, 8, 30, 40)] + [(2, 0.200)]
     intercept, slope = robust_line(points)
     assert intercept == pytest.approx(0.008, abs=1e-4) and slope == pytest.approx(0.001, rel=0.01)
@@ -507,3 +507,18 @@ def test_exploration_costs_at_most_its_share_of_serving_time():
     budget = policy.budget
     assert budget.spent <= EXPLORE_SHARE * budget.elapsed + 0.180
     assert budget.elapsed < 8 * sp.EXPLORE_EVERY * 0.300
+
+
+def test_the_draft_s_warm_up_curve_follows_serving_s_level_from_the_first_propose():
+    """The EPYC: the draft's warm-up (run while the target calibrated on the same two cores)
+    put a Propose at 30 ms and more per row; serving's first Propose took 11 ms. The seeds keep
+    their shape (what a row costs) and take serving's level from that one point on, so a
+    drafting shape is priced as serving will see it - not at three times that until 25
+    Proposes have been timed."""
+    c = CostModel([(1, 0.040)])
+    c.seed_proposes([(1, 0.030), (4, 0.033), (16, 0.045)])
+    assert c.propose_cost(4) == pytest.approx(0.033, rel=0.02)
+    c.observe_propose(0.011, 4, forward_s=0.011)
+    third = 0.011 / 0.033
+    assert c.propose_cost(16) == pytest.approx(c.propose_overhead_s + 0.045 * third, rel=0.05)
+    assert c.chain_proposes.seed_scale == pytest.approx(third, rel=0.02)

@@ -71,8 +71,9 @@ SPEC_CHOSEN = Histogram("dflash_spec_verify_tokens_chosen", "Gateway: verify siz
                         "(anchor + drafts; 1 = no drafting) by shape (chain or tree)",
                         L + ["shape"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
 SPEC_COST = Gauge("dflash_spec_cost_seconds", "Gateway's cost model now: verify of 1 token "
-                  "(verify_1), each further token (verify_per_token), a Propose (propose), the "
-                  "rest of a step (overhead)", L + ["component"])
+                  "(verify_1), each further token (verify_per_token), a Propose's draft forward "
+                  "of no rows (propose) and per row (propose_per_row), the rest of its round "
+                  "trip (propose_overhead), the rest of a step (overhead)", L + ["component"])
 PREFIX_QUERIES = Counter("dflash_prefix_cache_queries", "Prompt tokens looked up in the prefix "
                          "cache (vLLM's convention: tokens)", L + ["service"])
 PREFIX_HITS = Counter("dflash_prefix_cache_hits", "Prompt tokens whose KV came from the prefix "
@@ -84,7 +85,8 @@ HTTP_REQUESTS = Counter("dflash_http_requests", "Gateway HTTP API requests by ro
 
 STAGES = ("draft", "verify", "gateway")                              # dflash_step_seconds{stage}
 SHAPES = ("chain", "tree")                                           # ..._verify_tokens_chosen{shape}
-COST_COMPONENTS = ("verify_1", "verify_per_token", "propose", "overhead")   # dflash_spec_cost_seconds
+COST_COMPONENTS = ("verify_1", "verify_per_token", "propose", "propose_per_row",
+                   "propose_overhead", "overhead")   # dflash_spec_cost_seconds
 FINISH_REASONS = ("stop", "length", "abort", "error")                # ..._success{finished_reason}
 UPSTREAMS = ("target", "draft")
 UPSTREAM_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")                # the usual ones, at 0 from start
