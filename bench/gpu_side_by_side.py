@@ -40,20 +40,26 @@ import torch
 
 from bench.gateway_cpu import drive, features_travel, free_port, scrape, step_breakdown
 from bench.h200_micro import (
+    QWEN3_5_9B,
+    QWEN3_5_DRAFT,
     QWEN3_8B,
     TINY,
     Recorder,
     copy_bandwidth,
     copy_tokenizer,
     guarded,
+    tiny_hybrid,
     write_model_dirs,
 )
 from bench.tiny import NO_CUDA, tiny_fields, tiny_outputs
 from dflash.harness import ForcedAcceptance, HookFlags
 from dflash.prepare.tiny_mla import DEEPSEEK_V2_LITE
 
-SHAPES = {"qwen3-8b": (QWEN3_8B, [1, 9, 17, 25, 33]),
-          "deepseek-v2-lite": (DEEPSEEK_V2_LITE, [1, 7, 13, 19, 25])}
+# --shape: (target config, the drafter's taps, the drafter's own layer layout: None = the
+# target's; a hybrid target's drafter is a dense Qwen3 layout of its width)
+SHAPES = {"qwen3-8b": (QWEN3_8B, [1, 9, 17, 25, 33], None),
+          "deepseek-v2-lite": (DEEPSEEK_V2_LITE, [1, 7, 13, 19, 25], None),
+          "qwen3.5-9b": (QWEN3_5_9B, [1, 8, 15, 22, 29], QWEN3_5_DRAFT)}
 TAUS = (6.4, 3.0)
 LEVELS = (1, 8, 32)
 WIRES = ("unary", "stream")
@@ -503,13 +509,18 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rec = Recorder(out / "gpu_side_by_side.json")
-    shape, taps = (TINY, [1, 2, 3, 4, 5]) if args.tiny else SHAPES[args.shape]
+    shape, taps, draft_base = SHAPES[args.shape]
+    if args.tiny:                       # a CPU-sized shape of the same kind
+        hybrid = draft_base is not None
+        shape, taps = (tiny_hybrid(shape), [0, 1, 2, 3]) if hybrid else (TINY, [1, 2, 3, 4, 5])
+        draft_base = {**TINY, "vocab_size": shape["vocab_size"]} if hybrid else None
     levels = (1, 2) if args.tiny else tuple(args.levels)
     max_tokens = 24 if args.tiny else args.max_tokens
     prompt_len = 16 if args.tiny else args.prompt_len
     ttft_lens = [64] if args.tiny else args.ttft_lens
     tdir, ddir = write_model_dirs(out / "models" if args.tiny
-                                  else Path("/tmp/gpu_side_by_side_models"), shape, taps)
+                                  else Path("/tmp/gpu_side_by_side_models"), shape, taps,
+                                  draft_base)
     copy_tokenizer(tdir)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 500, (prompt_len,), generator=g).tolist() for _ in range(64)]

@@ -25,6 +25,23 @@ QWEN3_8B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
             "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
             "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645}
+# Qwen3.5-9B's text model as we take its shape (random weights): 32 layers, every 4th full
+# (gated) attention of 16 heads x 256 (4 KV heads), the rest Gated DeltaNet with 16 key heads
+# serving 32 value heads of 128; its drafter's layers are a dense Qwen3 layout of that width
+QWEN3_5_9B = {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
+              "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+              "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+              "head_dim": 256, "full_attention_interval": 4,
+              "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                              for i in range(32)],
+              "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+              "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+              "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                                  "partial_rotary_factor": 0.25},
+              "max_position_embeddings": 40960, "tie_word_embeddings": False,
+              "bos_token_id": 1, "eos_token_id": 2}
+QWEN3_5_DRAFT = {**QWEN3_8B, "vocab_size": 248320}
 TINY = {**QWEN3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
         "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 32, "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2}
@@ -60,14 +77,18 @@ def timed(fn, device: str, warmup: int = 2, iters: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def write_model_dirs(root: Path, target_cfg: dict, taps: list[int]) -> tuple[Path, Path]:
+def write_model_dirs(root: Path, target_cfg: dict, taps: list[int],
+                     draft_base: dict | None = None) -> tuple[Path, Path]:
+    """A target directory of `target_cfg` and a DFlash drafter of 5 layers, block 16, tapping
+    `taps` (its layers: draft_base's fields - a dense Qwen3 layout of the target's width for a
+    hybrid target - else the target's)."""
     from safetensors.torch import save_file
     tdir, ddir = root / "target", root / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
     (tdir / "config.json").write_text(json.dumps(target_cfg))
     h = target_cfg["hidden_size"]
-    draft_cfg = {**target_cfg, "num_hidden_layers": 5, "block_size": 16,
+    draft_cfg = {**(draft_base or target_cfg), "num_hidden_layers": 5, "block_size": 16,
                  "dflash_config": {"target_layer_ids": taps, "mask_token_id": 0}}
     (ddir / "config.json").write_text(json.dumps(draft_cfg))
     save_file({"fc.weight": torch.zeros(h, len(taps) * h, dtype=torch.bfloat16)},
@@ -372,3 +393,13 @@ def guarded(rec: Recorder, key: str, fn) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def tiny_hybrid(shape: dict) -> dict:
+    """A CPU-sized shape of a hybrid one (--tiny): 4 layers, small heads."""
+    return {**shape, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32, "layer_types": shape["layer_types"][:4],
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+            "max_position_embeddings": 4096}

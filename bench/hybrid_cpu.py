@@ -97,6 +97,8 @@ class VerifyRun:
         keep = min(1, self.block - 1)
         if worker.facts.hybrid:
             worker.commit_mamba_state([(s.slot, keep) for s in self.seqs])
+        if worker.device.type == "cuda":
+            torch.cuda.synchronize()
         for s in self.seqs:
             s.len += keep + 1
             worker.kv_cache.trim(s.table, s.len)

@@ -125,6 +125,22 @@ def hybrid_cpu(d: dict) -> None:
     positive(d["models"]["hybrid"]["state_bytes_per_sequence_live"])
 
 
+def hybrid_gpu(d: dict) -> None:
+    rows = d["rows"]
+    assert len(rows) == 8 and len({r["model"] for r in rows}) == 2
+    positive(*(r["median_ms"] for r in rows))
+    assert all(v > 0 for v in d["state_pool_bytes"].values()) and d["state_pool_bytes"]
+
+
+def side_by_side_hybrid(d: dict) -> None:
+    no_errors(d)
+    configs = {(r["config"], r.get("wire")) for r in d["rows"]}
+    assert configs == {("AR service", "unary"), ("spec services", "unary"),
+                       ("spec services", "stream")}
+    positive(*(r["tokens_per_s"] for r in d["rows"]))
+    assert d["services_tau6.4"]["health"]["target"][-1][1] == "SERVING"
+
+
 def simulated_tau(d: dict) -> None:
     for split in ("eval_in", "eval_unseen"):
         s = d["splits"][split]
@@ -266,7 +282,10 @@ BENCHES = [
     Bench("gpu_profile", gpu_profile, out_is_dir="gpu_profile.json"),
     Bench("gpu_side_by_side", gpu_side_by_side, out_is_dir="gpu_side_by_side.json"),
     Bench("h200_micro", h200_micro),
+    Bench("gpu_side_by_side", side_by_side_hybrid, out_is_dir="gpu_side_by_side.json",
+          extra=("--shape", "qwen3.5-9b", "--parts", "ar", "services")),
     Bench("hybrid_cpu", hybrid_cpu, extra=("--threads", "1")),        # as OMP_NUM_THREADS
+    Bench("hybrid_gpu", hybrid_gpu),
     Bench("kv_fp8", kv_fp8, "## fp8 KV cache (CPU)"),
     Bench("prefix_cache", prefix_cache, "## Prefix caching (CPU)"),
     Bench("simulated_tau", simulated_tau),
