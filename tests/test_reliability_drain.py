@@ -61,10 +61,23 @@ def assert_complete(results, expected: list[list[int]]) -> None:
 
 
 def refused_while(streams: Streams, attempt, interval: float = 0.25) -> int:
-    """Calls attempt() (which asserts a refusal) until every stream has finished."""
+    """Calls attempt() (which asserts a refusal) until every stream has finished. An attempt
+    that fails once the last stream has finished raced the service's exit (it drains, then
+    stops listening) and ends the loop; one that fails while a stream still runs is a failure."""
+    def running() -> bool:
+        return any(not r.finish_reason and r.error is None for r in streams.results)
+
     n = 0
-    while any(not r.finish_reason and r.error is None for r in streams.results):
-        attempt()
+    while running():
+        try:
+            attempt()
+        except (AssertionError, grpc.RpcError, httpx.HTTPError):
+            deadline = time.monotonic() + 5          # the last events may still be on their way
+            while running() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if running():
+                raise
+            break
         n += 1
         time.sleep(interval)
     return n
