@@ -198,10 +198,11 @@ def num_layers(raw: dict[str, Any]) -> int:
     config leaves the count out (transformers writes NemotronH configs without it)."""
     if "num_hidden_layers" in raw:
         return int(raw["num_hidden_layers"])
-    pattern = raw.get("layers_block_type") or raw.get("hybrid_override_pattern")
+    pattern = (raw.get("layers_block_type") or raw.get("layer_types")
+               or raw.get("hybrid_override_pattern"))
     if not pattern:
         raise ValueError("config.json gives neither num_hidden_layers nor a layer pattern "
-                         "(layers_block_type / hybrid_override_pattern)")
+                         "(layers_block_type / layer_types / hybrid_override_pattern)")
     return len(pattern)
 
 

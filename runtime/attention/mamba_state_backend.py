@@ -9,8 +9,8 @@ Per forward each sequence is in one of two modes:
            (the metadata's tree mask): each position continues its parent's state
            (runtime/layers/tree_scan.py), so index i holds the state after i's whole path.
 After acceptance, commit_verified_state([(slot, a), ...]) copies index a (the last committed
-block position: the accepted path's last node in a tree) into the live state - it must run before the next forward's plan replaces
-this one. MambaStatePath cannot commit (it has no commit_verified_state, so a HybridAttnBackend
+block position: the accepted path's last node in a tree) into the live state - it must run
+before the next forward's plan replaces this one. MambaStatePath cannot commit (it has no commit_verified_state, so a HybridAttnBackend
 around it reports can_commit_mamba_state() False); MambaStateBackend can."""
 from __future__ import annotations
 

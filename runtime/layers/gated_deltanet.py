@@ -26,7 +26,7 @@ from torch import nn
 
 from runtime.layers.linear import Linear
 from runtime.layers.mamba2 import ScanOut, causal_conv
-from runtime.layers.tree_scan import ancestor_mask, chain_parents, tree_conv
+from runtime.layers.tree_scan import ancestor_mask, tree_conv
 
 if TYPE_CHECKING:  # the backend imports the layers
     from runtime.attention.mamba_state_backend import MambaStatePath
@@ -238,9 +238,10 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a_raw.float() + self.dt_bias.float())
         S = S.float()
         if parents is not None or keep_states:      # a verify: every row's state
-            if parents is None:
-                parents = chain_parents(b, L, qkv.device)
-            o, S = delta_block(S, q, k, v, g, beta, ancestor_mask(parents))
+            mask = (ancestor_mask(parents) if parents is not None      # a tree: its paths
+                    else torch.ones(L, L, dtype=torch.bool, device=qkv.device).tril().expand(
+                        b, L, L))                                       # a chain: s <= t
+            o, S = delta_block(S, q, k, v, g, beta, mask)
         elif L == 1:
             o, S = delta_recurrent(S, q, k, v, g, beta, keep_states=False)
         else:
