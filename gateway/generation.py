@@ -190,6 +190,9 @@ class Generation:
         if shape is not None and drafts.tokens:
             depth = len(drafts.tokens) if drafts.is_chain else max(drafts.depths)
             policy.observe(self.acceptance, shape, depth, resp.accepted)
+            if not drafts.is_chain and self.req.greedy:
+                policy.observe_chain_in_tree(self.acceptance, drafts,
+                                             list(resp.committed_tokens))
         policy.cost.observe_verify(resp.batch_tokens, resp.batch_seconds, verify_s,
                                    resp.queue_seconds, tree=not drafts.is_chain)
         if propose_s is not None and drafts.tokens:     # by the rows of its forward

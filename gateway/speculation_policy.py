@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from gateway.acceptance_model import CHAIN, AcceptanceModel, ServiceAcceptance
 from gateway.cost_model import CostModel
 from gateway.exploration import ExplorationBudget
+from runtime.draft_tree import DraftTree
 from services.common import metrics
 
 log = logging.getLogger("dflash.gateway.speculation")
@@ -246,6 +247,19 @@ class SpeculationPolicy:
         """A step of `shape` verified drafts reaching `depth` (fewer than asked when the draft
         or a grammar cut them) with `accepted` accepted."""
         acceptance.observe(shape.key, depth, accepted)
+
+    def observe_chain_in_tree(self, acceptance: AcceptanceModel, tree: DraftTree,
+                              committed: list[int]) -> None:
+        """A greedy tree step also says how its first path - the chain the drafter would have
+        proposed - fared: accepted as far as it agrees with the target's greedy tokens (the
+        committed ones; the tree's walk takes the first child that matches, so it leaves the
+        chain exactly where the chain fails). Chains that auto seldom runs then learn from the
+        trees it does run, instead of staying at the prior."""
+        chain = tree.first_path()
+        agree = next((i for i, (d, t) in enumerate(zip(chain, committed)) if d != t),
+                     min(len(chain), len(committed)))
+        if chain:
+            acceptance.observe(CHAIN, len(chain), agree)
 
     def export(self, model: str) -> None:
         """The cost model's gauges, at most once a second (a step is milliseconds on a GPU)."""

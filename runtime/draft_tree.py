@@ -55,6 +55,19 @@ class DraftTree:
             mask[i] |= mask[p]
         return mask
 
+    def first_path(self) -> list[int]:
+        """The tokens of the path that takes each node's first child, from the anchor down: a
+        chain's all; in a best-first tree (best_tree, prompt lookup's trie) the chain the
+        drafter would have proposed."""
+        first: dict[int, int] = {}
+        for i, p in enumerate(self.parents, start=1):
+            first.setdefault(p, i)
+        out, node = [], 0
+        while node in first:
+            node = first[node]
+            out.append(self.tokens[node - 1])
+        return out
+
     def greedy_path(self, argmax: list[int]) -> tuple[list[int], int]:
         """argmax [n+1]: the target's greedy token after each node -> (the accepted draft nodes
         from the anchor down, in order; the bonus token after the last of them)."""

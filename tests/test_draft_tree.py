@@ -85,3 +85,14 @@ def test_greedy_path_takes_the_matching_child_at_every_node():
 def test_bad_parents_are_named(parents, n, words):
     assert words in parents_problem(parents, n)
     assert parents_problem([0, 0, 1], 3) is None
+
+
+def test_the_first_path_of_a_best_first_tree_is_the_drafters_chain():
+    rng = random.Random(5)
+    logp = random_logp(rng, 5, 4)
+    candidates = [[100 * d + k for k in range(4)] for d in range(5)]
+    tree = best_tree(candidates, logp, 12)
+    chain = [candidates[d][0] for d in range(max(tree.depths))]
+    assert tree.first_path() == chain
+    assert DraftTree.chain([7, 8, 9]).first_path() == [7, 8, 9]
+    assert DraftTree([5, 6, 7, 8], [0, 0, 2, 1]).first_path() == [5, 8]

@@ -522,3 +522,18 @@ def test_the_draft_s_warm_up_curve_follows_serving_s_level_from_the_first_propos
     third = 0.011 / 0.033
     assert c.propose_cost(16) == pytest.approx(c.propose_overhead_s + 0.045 * third, rel=0.05)
     assert c.chain_proposes.seed_scale == pytest.approx(third, rel=0.02)
+
+
+def test_a_greedy_tree_step_also_counts_for_the_chain_it_contains():
+    """Tree [a, b | c under a, d under c]: the chain is a, c, d. Committed [a, c, x, bonus...]
+    means the chain held for 2 of its 3 drafts; committed [b, ...] (a sibling's path) means
+    it failed at its first."""
+    from runtime.draft_tree import DraftTree
+    policy = SpeculationPolicy([(1, 0.010)])
+    tree = DraftTree([1, 2, 3, 4], [0, 0, 1, 3])
+    m = policy.model()
+    policy.observe_chain_in_tree(m, tree, [1, 3, 9])
+    assert m.own[CHAIN].counts(1) == (1.0, 1.0) and m.own[CHAIN].counts(2) == (1.0, 1.0)
+    assert m.own[CHAIN].counts(3) == (0.0, 1.0)
+    policy.observe_chain_in_tree(m, tree, [2, 5])
+    assert m.own[CHAIN].counts(1) == (1.0, 2.0)
