@@ -197,7 +197,8 @@ class Generation:
                                    resp.queue_seconds, tree=not drafts.is_chain)
         if propose_s is not None and drafts.tokens:     # by the rows of its forward
             rows, forward_s = self.draft.last_forward
-            policy.cost.observe_propose(propose_s, rows, not drafts.is_chain, forward_s)
+            policy.cost.observe_propose(propose_s, rows, not drafts.is_chain, forward_s,
+                                        busy=self.admission.running > 1)
         policy.export(self.state.metrics_model)
 
     async def _constrained(self, drafts: DraftTree) -> tuple[DraftTree, list[bytes] | None]:

@@ -104,7 +104,8 @@ def rank(options: Iterable[Option], cost: CostModel) -> list[Option]:
 
 def step_s(o: Option, cost: CostModel) -> float:
     """An option's step: the Proposes of its requests run as one draft forward."""
-    return cost.step_s(o.tokens, o.shape.drafts > 0, o.shape.tree, o.propose_rows)
+    return cost.step_s(o.tokens, o.shape.drafts > 0, o.shape.tree, o.propose_rows,
+                       busy=o.requests > 1)
 
 
 @dataclass(frozen=True)
@@ -218,13 +219,18 @@ class SpeculationPolicy:
 
     def _explore(self, ranked: list[Option]) -> Option:
         """Exploration: a size the model prices too dear (a warm-up point taken while the shape
-        ran for the first time) would never run, so never be corrected. Once in a while the best
-        option of other verify rows runs instead, until serving has timed its rows EXPLORE_RUNS
-        times: then its price is serving's own, and exploring it again would only cost (on a
-        CPU where not drafting wins, one step in 32 drafting kept auto 3 % below it)."""
+        ran for the first time, a Propose line taught while other requests shared the cores)
+        would never run, so never be corrected. Once in a while the best option of other verify
+        rows runs instead, until serving has timed its rows and its kind of Propose (alone or
+        busy) EXPLORE_RUNS times each: then its price is serving's own, and exploring it again
+        would only cost (on a CPU where not drafting wins, one step in 32 drafting kept auto
+        3 % below it)."""
         best = ranked[0]
         runner_up = next((o for o in ranked[1:] if o.tokens != best.tokens), best)
-        if self.cost.verify_runs(runner_up.tokens, runner_up.shape.tree) >= EXPLORE_RUNS:
+        shape = runner_up.shape
+        if (self.cost.verify_runs(runner_up.tokens, shape.tree) >= EXPLORE_RUNS
+                and (not shape.drafts or self.cost.propose_runs(
+                    shape.tree, runner_up.requests > 1) >= EXPLORE_RUNS)):
             return best
         return runner_up
 

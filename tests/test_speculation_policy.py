@@ -537,3 +537,37 @@ def test_a_greedy_tree_step_also_counts_for_the_chain_it_contains():
     assert m.own[CHAIN].counts(3) == (0.0, 1.0)
     policy.observe_chain_in_tree(m, tree, [2, 5])
     assert m.own[CHAIN].counts(1) == (1.0, 2.0)
+
+
+def test_proposes_beside_other_requests_do_not_price_one_alone():
+    """The EPYC: the bench's warm-up (two requests at once) timed Proposes at 37 ms - beside the
+    other request's verify on the same two cores - where one alone takes 11. One line for both
+    kept auto from drafting at one request, where chains won by 4-12 %, and no Propose was
+    timed alone to correct it. Busy and alone have lines of their own; the alone line, still
+    the warm-up's, is explored until serving has timed it, and then the request drafts."""
+    import gateway.speculation_policy as sp
+    seeds = [(17, 0.036), (18, 0.035), (20, 0.035), (24, 0.036), (32, 0.035)]
+    c = CostModel([(1, 0.030), (2, 0.032), (4, 0.036)])
+    c.seed_proposes(seeds)
+    for _ in range(20):
+        c.observe_propose(0.039, 14, forward_s=0.037, busy=True)
+    assert c.propose_cost(14, busy=True) == pytest.approx(0.039, rel=0.05)
+    assert c.propose_cost(14) == pytest.approx(0.002 + 0.035, rel=0.05)   # still the seeds'
+    assert c.propose_runs(busy=True) == 20 and c.propose_runs() == 0
+
+    policy = SpeculationPolicy([(1, 0.030), (2, 0.032), (4, 0.036)])
+    policy.cost = c
+    m = policy.model()
+    for _ in range(40):
+        m.observe(CHAIN, 3, 1)                      # the first of three drafts accepted
+    limits = Limits(max_chain=3, max_tree=0, tree_depth=3, backlog=3, remaining=40)
+    chosen = []
+    for _ in range(3 * sp.EXPLORE_EVERY):
+        shape = policy.decide("a", m, limits, running=1)
+        if shape.drafts:
+            policy.cost.observe_propose(0.013, 5, forward_s=0.011)
+        chosen.append(shape)
+    assert chosen[0] == NO_DRAFTING                 # priced at the busy warm-up's 37 ms
+    assert chosen[sp.EXPLORE_EVERY - 1].drafts      # explored: the alone line is untimed
+    assert all(s.drafts for s in chosen[-sp.EXPLORE_EVERY:])        # then drafts alone
+    assert c.propose_cost(14, busy=True) == pytest.approx(0.039, rel=0.05)   # busy: as taught
