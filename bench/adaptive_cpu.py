@@ -238,24 +238,24 @@ def markdown(r: dict) -> str:
     return "\n".join(lines + ["", notes]) + "\n"
 
 
-NOTES = """Reading it (session 33, at ebf85aa: a Propose priced with the backlog it appends,
-exploration within 2 % of serving time, the draft's warm-up Propose curve at serving's level;
-AMD EPYC, 2 cores): auto is 0.86, 1.05, 0.99, 1.04x the best fixed shape and 0.96, 1.05, 0.99,
-1.04x autoregressive at 1, 2, 4, 8 requests - met at 2 and 8; at 4 within 1 % of
-autoregressive (the goal asks never below it); **a miss at 1 request**, where chain 3 beats not
-drafting by 12 % and auto hardly drafted (1.06 tokens per step). The gateway's debug log at one
-request: its chain estimates are about 10 % under what chains commit (1.66 expected tokens for
-3 drafts where about 1.85 are committed: chains are seldom run there, so their acceptance
-stays near the prior; trees keep their own counts), and with the 10 % drafting margin the
-near-tie goes to not drafting. At 8 requests the 19 % gap of the run before (6d2b781, archived:
-0.95, 0.91, 1.01, 0.81) was exploration and catch-up cost: a Propose after steps that did not
-draft appends their backlog, which auto did not price, and every 32nd step explored a drafting
-batch; both are priced or budgeted now (and the features captured on non-drafting steps were
-not the cause: the autoregressive gateway of this benchmark captures them too). Earlier runs:
+NOTES = """Reading it (session 34, at 055be24: Proposes timed while other requests ran priced
+apart from those timed alone, and the alone price explored until serving has timed it; AMD
+EPYC, 2 cores, a slower and noisier day than session 33's: autoregressive 18.5 tokens/s at one
+request against 27.1, and its two rounds at 4 requests 6.1 and 4.7 s): auto is 0.82, 0.91,
+0.96, 0.97x the best fixed shape and **1.20**, 1.05, 0.96, 0.97x autoregressive at 1, 2, 4, 8
+requests - not met at any level. At one request auto now drafts (chains of 4 tokens and trees,
+20 % over autoregressive; before: 0.96x, it hardly drafted because the Propose line it had
+learnt at two requests - 37 ms, beside the other request's verify on the same two cores - priced
+a Propose alone, 11 ms, three times too high), but trees of 7 beat its mix by 22 %. At 2-8
+requests it does not draft (1.0 token per step: as autoregressive), and the 3-4 % it trails
+autoregressive there is run-to-run noise between two gateways doing the same work (session 33:
+0.99 and 1.04 at 4 and 8); at 2 requests trees of 7 won 16 % this time, where session 33 had
+every drafting shape 8-30 % under autoregressive. Earlier runs (auto / best fixed at 1, 2, 4,
+8; `bench/results/archive/`): ebf85aa 0.86, 1.05, 0.99, 1.04; 6d2b781 0.95, 0.91, 1.01, 0.81;
 044dbbf 0.90, 0.77, 0.82, 0.83; e31774b 0.88, 1.01, 0.95, 0.89; a2d1727 0.89, 0.97, 0.83,
-0.91; 742d993 0.91, 0.96, 0.96, 0.97 (best fixed; `bench/results/archive/`). Start-up: the
-target's verify cost calibration is bounded by `--cost-calibration-s` (default 1.5 s), on top
-of the CPU GEMM calibration (1.2-1.3 s on this EPYC); the draft's Propose curve adds 0.4 s."""
+0.91; 742d993 0.91, 0.96, 0.96, 0.97. Start-up: the target's verify cost calibration is
+bounded by `--cost-calibration-s` (default 1.5 s), on top of the CPU GEMM calibration (1.2-1.3
+s on this EPYC); the draft's Propose curve adds 0.4 s."""
 
 
 GPU_NOTES = """Reading it: a miss, and worse than the first GPU run (0.88, 0.85, 0.91, 1.06, 0.73,
