@@ -80,6 +80,7 @@ class HookFlags:
     skip_mamba_commit: bool = False
     fail_cost_calibration: bool = False
     backend_delay_s: float = 0.0
+    fail_tensor_parallel_rank: int = 0
 
     def argv(self) -> list[str]:
         """The flags that differ from the defaults, for `python -m dflash.harness ROLE`."""
@@ -103,7 +104,8 @@ class HookFlags:
             hybrid_wrapper=self.hybrid_wrapper, mamba_commit=not self.no_mamba_commit,
             skip_mamba_commit=self.skip_mamba_commit,
             fail_cost_calibration=self.fail_cost_calibration,
-            backend_delay_s=self.backend_delay_s, forced_acceptance=self._forced())
+            backend_delay_s=self.backend_delay_s, forced_acceptance=self._forced(),
+            fail_tensor_parallel_rank=self.fail_tensor_parallel_rank)
 
     def _forced(self) -> ForcedAcceptance | ForcedProfile | None:
         if self.force_tau and self.force_profile:
@@ -133,6 +135,7 @@ FLAG_HELP = {
     "skip_mamba_commit": "target: advertise the mamba commit and skip it (WRONG output)",
     "fail_cost_calibration": "target: the verify cost calibration fails (start-up goes on)",
     "backend_delay_s": "target: extra seconds while the attention backend is built",
+    "fail_tensor_parallel_rank": "target: this tensor-parallel rank (1..) fails at start-up",
 }
 
 
@@ -155,8 +158,8 @@ def parse(argv: list[str]) -> tuple[str, HookFlags, list[str]]:
         elif f.type == "str":
             p.add_argument(_flag(f.name), dest=f.name, default=f.default, help=FLAG_HELP[f.name])
         else:
-            p.add_argument(_flag(f.name), dest=f.name, type=float, default=f.default,
-                           help=FLAG_HELP[f.name])
+            p.add_argument(_flag(f.name), dest=f.name, default=f.default, help=FLAG_HELP[f.name],
+                           type=int if f.type == "int" else float)
     a = vars(p.parse_args(mine))
     role = a.pop("role")
     return role, HookFlags(**a), service_argv

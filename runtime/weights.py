@@ -80,11 +80,13 @@ def load_weights(model: nn.Module, path: str | Path, strip_prefix: str = "model.
                  ignore: tuple[str, ...] = ("rotary_emb.inv_freq",),
                  dtype: torch.dtype | None = None, skip: tuple[str, ...] = (),
                  convert: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
-                 | None = None) -> None:
+                 | None = None,
+                 shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
     """Copy checkpoint tensors into `model`'s parameters; every parameter must be filled.
     ignore: name suffixes left out; skip: name prefixes left out (parts of the checkpoint the
     model does not serve: a vision tower, multi-token-prediction layers); convert: a tensor
-    stored in another layout -> the tensors the model names (Qwen3-Next's fused projections)."""
+    stored in another layout -> the tensors the model names (Qwen3-Next's fused projections);
+    shard: a tensor -> this rank's part of it (runtime/tensor_parallel.py)."""
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     for name, tensor in iter_tensors(path):
@@ -92,6 +94,8 @@ def load_weights(model: nn.Module, path: str | Path, strip_prefix: str = "model.
             continue
         for part, value in convert(name, tensor) if convert else [(name, tensor)]:
             target = part.removeprefix(strip_prefix)
+            if shard is not None:
+                value = shard(part, value)
             _copy_one(model, params, filled, target, part, value)
     missing = [n for n, p in params.items() if filled.get(n, 0) < _expected_fills(n)]
     if missing:

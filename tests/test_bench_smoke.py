@@ -230,6 +230,11 @@ def kv_fp8(d: dict) -> None:
     assert 0.0 <= d["summary"]["mean_agreement"] <= 1.0
 
 
+def tp_cpu(d: dict) -> None:
+    assert [r["ranks"] for r in d["rows"]] == [1, 3] and d["identical_outputs"]
+    positive(*(r["decode_tokens_per_s"] for r in d["rows"]), *(r["verify16_ms"] for r in d["rows"]))
+
+
 def train_step(d: dict) -> None:
     positive(d["seconds_per_step"], *d["train_seconds_of_runs"])
 
@@ -293,6 +298,7 @@ BENCHES = [
     Bench("spec_load_cpu", spec_load_cpu, "## Speculation under load (CPU)"),
     Bench("structured_cpu", structured_cpu),
     Bench("target_cpu", target_cpu, "## Target service (CPU)", extra=("--threads", "1")),
+    Bench("tp_cpu", tp_cpu, "## Tensor-parallel target (CPU)"),
     Bench("train_step", train_step),
     Bench("tree_acceptance", tree_acceptance),
     Bench("wire_cpu", wire_cpu, "## Per-step wire: unary vs stream (CPU)"),

@@ -6,6 +6,7 @@ from torch import nn
 
 from runtime.layers import fused
 from runtime.layers.linear import Linear
+from runtime.tensor_parallel import all_reduce
 
 
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
@@ -30,4 +31,5 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        # a tensor-parallel rank's down_proj output is a partial sum: whole after the reduce
+        return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))

@@ -13,6 +13,7 @@ from runtime.layers.mlp import GatedMLP
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rope import RotaryEmbedding
 from runtime.models.forward import ForwardBatch, ForwardOutput
+from runtime.tensor_parallel import all_reduce
 
 
 class Attention(nn.Module):
@@ -41,7 +42,7 @@ class Attention(nn.Module):
                 batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.project_qkv(x, positions, rope)
         out = batch.backend.forward(self.layer_id, q, k, v)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return all_reduce(self.o_proj(out.reshape(-1, self.q_size)))   # whole over TP ranks
 
 
 class DecoderLayer(nn.Module):

@@ -35,10 +35,21 @@ def model_class(raw: dict) -> tuple[type[nn.Module], object]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", random_weights: bool = False) -> nn.Module:
-    """random_weights (benchmarks: ServiceHooks): initialised at random instead of loaded."""
+               device: torch.device | str = "cpu", random_weights: bool = False,
+               tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
+    """random_weights (benchmarks: ServiceHooks): initialised at random instead of loaded.
+    tp_size > 1: rank tp_rank's share of a dense model (runtime/tensor_parallel.py)."""
     raw = read_config_json(path)
     cls, cfg = model_class(raw)
+    shard = None
+    if tp_size > 1:
+        from runtime import tensor_parallel
+        from runtime.models.dense import DenseDecoder
+        cfg = tensor_parallel.shard_config(cfg, tp_size, dense=cls is DenseDecoder,
+                                           model_type=raw.get("model_type", ""))
+
+        def shard(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return tensor_parallel.shard_tensor(name, tensor, tp_rank, tp_size)
     model = build_empty(cls, cfg, device, dtype)
     if random_weights:
         return init_random_weights(model)
@@ -51,7 +62,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     # (another layout of some tensors: the model converts them)
     load_weights(model, path, strip_prefix=getattr(model, "checkpoint_prefix", "model."),
                  ignore=ignore, skip=getattr(model, "checkpoint_skip", ()),
-                 convert=getattr(model, "convert_checkpoint_tensor", None))
+                 convert=getattr(model, "convert_checkpoint_tensor", None), shard=shard)
     model.eval().requires_grad_(False)
     return model
 

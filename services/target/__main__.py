@@ -8,7 +8,10 @@ import time
 
 import torch
 
-from runtime.config import default_model_id
+from runtime import tensor_parallel
+from runtime.config import default_model_id, read_config_json
+from runtime.models.dense import DenseDecoder
+from runtime.models.registry import model_class
 from runtime.sampling import SamplingConfig
 from services.common import bootstrap, flags
 from services.common.service_flags import add_model_service_flags, check_server_tls
@@ -17,6 +20,7 @@ from services.target import servicer as target_servicer
 from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
 from services.target.hooks import NO_TARGET_HOOKS, TargetHooks
+from services.target.ranks import TensorParallelRanks
 from services.target.worker import TargetWorker
 
 log = logging.getLogger("dflash.target")
@@ -58,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--prefix-state-checkpoints", 16, int, "hybrid models with prefix caching: "
               "recurrent states kept at page boundaries of cached prefixes (each the size of "
               "one sequence's state, within --kv-budget); 0 = none, prefix caching off for them")
+    flags.add(p, "--tensor-parallel-size", 1, int, "split the model's attention heads and MLP "
+              "columns over this many ranks of this host (processes: NCCL on GPUs 0..N-1, gloo "
+              "on the CPU, each rank a share of the cores); dense Llama / Qwen2 / Qwen3 only")
     args = p.parse_args(argv)
     if not args.model:
         p.error("--model (or DFLASH_MODEL) is required")
@@ -83,7 +90,8 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         feature_plane=args.feature_plane, feature_plane_mib=args.feature_plane_mib,
         cost_calibration_s=args.cost_calibration_s, prefix_caching=args.enable_prefix_caching,
         prefix_cache_max_pages=args.prefix_cache_max_pages,
-        prefix_state_checkpoints=args.prefix_state_checkpoints)
+        prefix_state_checkpoints=args.prefix_state_checkpoints,
+        tensor_parallel_size=args.tensor_parallel_size)
 
 
 async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:
@@ -105,15 +113,24 @@ async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:
 
 def service(args: argparse.Namespace, hooks: TargetHooks) -> bootstrap.ModelService:
     config = config_from_args(args)
+    check_tensor_parallel(config)
     servicer = target_servicer.TargetServicer()
 
     async def start() -> TargetEngine:
-        """The start-up order (docs/architecture.md §7): weights, memory pools, attention
-        backends, engine (and the CPU GEMM measured on its thread), CUDA graphs, warm-up; the
-        servicer names the stage reached until the worker is ready."""
+        """The start-up order (docs/architecture.md §7): (tensor-parallel ranks,) weights,
+        memory pools, attention backends (every rank's), engine (and the CPU GEMM measured on
+        its thread), CUDA graphs, warm-up; the servicer names the stage reached until the
+        worker is ready."""
+        ranks = None
+        if config.tensor_parallel_size > 1:
+            ranks = await bootstrap.stage(TensorParallelRanks.launch, config, hooks)
         servicer.worker = worker = await bootstrap.stage(TargetWorker, config, hooks)
+        worker.ranks = ranks
         await bootstrap.stage(worker.alloc_memory_pools)
         await bootstrap.stage(worker.init_attention_backends)
+        if ranks is not None:
+            await bootstrap.stage(ranks.wait_ready, worker.kv_cache.usable_pages)
+            ranks.watch()
         servicer.engine = engine = TargetEngine(worker)
         engine.start()
         await engine.on_engine_thread(worker.calibrate_cpu_gemm)   # --cpu-gemm auto, CPU
@@ -132,6 +149,25 @@ def service(args: argparse.Namespace, hooks: TargetHooks) -> bootstrap.ModelServ
         register=lambda server: target_servicer.add_to_server(servicer, server),
         # draining: no new sequences (Prefill); Verify and Release go on until none is left
         refuse_while_draining=lambda method, request: method == "Prefill", start=start)
+
+
+def check_tensor_parallel(config: TargetConfig) -> None:
+    """--tensor-parallel-size against the model before anything starts: a size that does not
+    divide its heads, a model that cannot be split, more ranks than GPUs -> ValueError (the
+    service exits refusing, saying what is allowed)."""
+    n = config.tensor_parallel_size
+    if n == 1:
+        return
+    raw = read_config_json(config.model_dir)
+    cls, cfg = model_class(raw)
+    tensor_parallel.shard_config(cfg, n, dense=cls is DenseDecoder,
+                                 model_type=raw.get("model_type", ""))
+    if config.device.startswith("cuda") and n > torch.cuda.device_count():
+        raise ValueError(f"--tensor-parallel-size {n} needs {n} GPUs; this host has "
+                         f"{torch.cuda.device_count()}")
+    if config.device not in ("cpu", "cuda"):
+        raise ValueError(f"--tensor-parallel-size {n} places rank r on cuda:r: pass --device "
+                         f"cuda, not {config.device}")
 
 
 def main(argv: list[str] | None = None, hooks: TargetHooks = NO_TARGET_HOOKS) -> int:

@@ -49,10 +49,13 @@ class TargetConfig:
     # hybrid models: recurrent states kept at page boundaries of cached prefixes
     # (runtime/state_checkpoints.py); 0 = none, so their prefix caching is off
     prefix_state_checkpoints: int = 16
+    tensor_parallel_size: int = 1      # ranks the model is split over (services/target/ranks.py)
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_block_size < 1 or self.token_budget < self.max_block_size:
             raise ValueError("page_size and max_block_size must be >= 1 and token_budget >= max_block_size")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_tree_nodes < 0:
             raise ValueError(f"max_tree_nodes must be >= 0 (0 = chains only), got "
                              f"{self.max_tree_nodes}")

@@ -50,6 +50,12 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         self.publisher = FeaturePublisher(plane_transports(cfg.feature_plane, worker.device),
                                           cfg.feature_plane_mib << 20, worker.device)
 
+    def stop(self) -> None:
+        """The engine thread stops, then the tensor-parallel followers (none: nothing more)."""
+        super().stop()
+        if self.worker.ranks is not None:
+            self.worker.ranks.stop()
+
     # -- API used by the servicer (awaitable) ------------------------------------------------
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         return await self._submit(Work("prefill", call.seq_id, call, cost=len(call.token_ids),
@@ -199,8 +205,8 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         moved = [(row, j) for j, row in enumerate(path, start=1) if row != j]
         if moved:
             start = seq.seq_len
-            self.worker.kv_cache.copy_positions(seq.table, [start + r for r, _ in moved],
-                                                [start + j for _, j in moved])
+            self.worker.copy_positions(seq.table, [start + r for r, _ in moved],
+                                       [start + j for _, j in moved])
 
     def _features(self, parts: list[Part], capture: tuple[int, ...], captured: torch.Tensor | None,
                   accepted: list[Acceptance | None]) -> list[torch.Tensor | Publication | None]:

@@ -27,6 +27,7 @@ class TargetHooks(ServiceHooks):
                                        # (the service must start anyway, with no cost curve)
     backend_delay_s: float = 0.0       # tests: seconds spent building the attention backend
                                        # (a slow backend initialisation, the seed's scenario)
+    fail_tensor_parallel_rank: int = 0   # tests: this follower rank (1..) raises at start-up
     pad_verify_to: tuple[int, ...] = ()   # tests: pad chain verify blocks as if CUDA graphs of
                                        # these sizes were captured (the padding runs on the CPU)
 

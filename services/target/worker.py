@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime import tensor_parallel
 from runtime.attention.base import AttentionBackend
 from runtime.attention.hybrid import HybridAttnBackend, can_commit_mamba_state
 from runtime.attention.metadata import AttentionMetadata, SeqSlice
@@ -33,6 +34,7 @@ from services.common.errors import NotReady
 from services.target.config import TargetConfig
 from services.target.cost_curves import CostCurves
 from services.target.hooks import NO_TARGET_HOOKS, TargetHooks
+from services.target.ranks import TensorParallelRanks
 
 log = logging.getLogger("dflash.target.worker")
 
@@ -55,13 +57,23 @@ class ModelFacts:
 
 
 class TargetWorker:
-    def __init__(self, config: TargetConfig, hooks: TargetHooks = NO_TARGET_HOOKS) -> None:
+    def __init__(self, config: TargetConfig, hooks: TargetHooks = NO_TARGET_HOOKS,
+                 rank: int = 0) -> None:
+        """rank: this process's tensor-parallel rank (its share of the model; 0 serves)."""
         self.config, self.hooks = config, hooks
+        if config.tensor_parallel_size != tensor_parallel.size():
+            raise RuntimeError(f"a worker of {config.tensor_parallel_size} tensor-parallel ranks "
+                               f"in a process whose group has {tensor_parallel.size()}: the ranks "
+                               f"start first (services/target/ranks.py)")
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and config.tensor_parallel_size > 1:
+            self.device = torch.device("cuda", rank)
         self.dtype = parse_dtype(config.dtype)
         set_cpu_gemm(config.cpu_gemm)
         t0 = time.monotonic()
-        self.model = load_model(config.model_dir, self.dtype, self.device, hooks.random_weights)
+        self.model = load_model(config.model_dir, self.dtype, self.device, hooks.random_weights,
+                                tp_rank=rank, tp_size=config.tensor_parallel_size)
+        self.ranks: TensorParallelRanks | None = None   # rank 0 of several: its followers
         cfg = self.model.cfg
         self.facts = ModelFacts(
             model_id=config.model_id or default_model_id(config.model_dir),
@@ -264,6 +276,19 @@ class TargetWorker:
         intermediate state per block position instead of advancing the live state.
         A batch with a tree mask (a verified tree of drafts) runs on the tree backend: a captured
         tree graph where one fits, else eagerly."""
+        if self.ranks is None:
+            return self._forward(slices, input_ids, positions, capture_layers, state_slots,
+                                 verify)
+        with self.ranks.guard():                    # every rank runs it (its heads, its KV)
+            self.ranks.send("forward", slices, input_ids, positions, capture_layers,
+                            state_slots, verify)
+            return self._forward(slices, input_ids, positions, capture_layers, state_slots,
+                                 verify)
+
+    def _forward(self, slices: list[SeqSlice], input_ids: torch.Tensor,
+                 positions: torch.Tensor, capture_layers: tuple[int, ...],
+                 state_slots: list[int | None] | None, verify: list[bool] | None
+                 ) -> ForwardOutput:
         backend = self.attn_backend
         trees = any(s.tree is not None for s in slices)
         if trees:
@@ -286,7 +311,10 @@ class TargetWorker:
         """Captures verify forwards for each configured block size (and the configured feature
         layers) at bucketed batch sizes. Eager fallback: not on CUDA, a hybrid model, a model
         whose forward syncs with the host (mixture-of-experts routing), a backend that cannot
-        bind static buffers (torch, flashinfer), or --no-cuda-graphs."""
+        bind static buffers (torch, flashinfer), or --no-cuda-graphs. Tensor-parallel followers
+        capture the same graphs at the same time (their all-reduces pair inside them)."""
+        if self.ranks is not None:
+            self.ranks.send("capture_cuda_graphs")
         cfg = self.config
         backend = self.attn_backend
         if (not cfg.cuda_graphs or self.device.type != "cuda" or self.facts.hybrid
@@ -340,6 +368,16 @@ class TargetWorker:
             return None
         runner = graphs.get((slices[0].q_len, tuple(capture_layers)))
         return runner if runner is not None and runner.can_run(slices) else None
+
+    def copy_positions(self, table, src: list[int], dst: list[int]) -> None:
+        """KV of positions src moved to dst (a tree's accepted path made a chain), on every
+        rank's share of the cache."""
+        if self.ranks is None:
+            self.kv_cache.copy_positions(table, src, dst)
+            return
+        with self.ranks.guard():
+            self.ranks.send("copy_positions", table, src, dst)
+            self.kv_cache.copy_positions(table, src, dst)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
