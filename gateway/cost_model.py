@@ -213,10 +213,19 @@ class CostModel:
 
     def propose_runs(self, tree: bool = False, busy: bool = False) -> int:
         """How many of serving's Proposes price this kind (alone or busy) now."""
-        tree = tree and self.tree_proposes.known
-        line = (self.busy_proposes[tree] if busy
+        return len(self._line(tree, busy).window)
+
+    def propose_untimed(self, tree: bool = False, busy: bool = False) -> bool:
+        """This kind's price is still the draft's warm-up curve alone (serving timed none)."""
+        line = self._line(tree, busy)
+        return bool(line.seeds) and not line.window
+
+    def _line(self, tree: bool, busy: bool, pricing: bool = True) -> ProposeLine:
+        """The line a Propose of this kind is observed into (pricing False) or priced from
+        (trees: the chains' until a tree was timed or seeded)."""
+        tree = tree and (self.tree_proposes.known or not pricing)
+        return (self.busy_proposes[tree] if busy
                 else self.tree_proposes if tree else self.chain_proposes)
-        return len(line.window)
 
     def step_s(self, batch_tokens: int, drafts: bool, tree: bool = False,
                propose_rows: float = 0.0, busy: bool = False) -> float:
@@ -264,9 +273,8 @@ class CostModel:
         if forward_s > 0:
             self.propose_overhead_s = _average(self.propose_overhead_s,
                                                max(0.0, wall_s - forward_s))
-        line = (self.busy_proposes[tree] if busy
-                else self.tree_proposes if tree else self.chain_proposes)
-        line.observe(rows, forward_s if forward_s > 0 else wall_s)
+        self._line(tree, busy, pricing=False).observe(rows,
+                                                      forward_s if forward_s > 0 else wall_s)
         self._lines()
 
     def _lines(self) -> None:

@@ -102,6 +102,11 @@ def rank(options: Iterable[Option], cost: CostModel) -> list[Option]:
     return sorted(sorted(options, key=lambda o: o.tokens), key=rate, reverse=True)
 
 
+def _runner_up(ranked: list[Option]) -> Option:
+    """The best option of other verify rows than the best (the best when there is none)."""
+    return next((o for o in ranked[1:] if o.tokens != ranked[0].tokens), ranked[0])
+
+
 def step_s(o: Option, cost: CostModel) -> float:
     """An option's step: the Proposes of its requests run as one draft forward."""
     return cost.step_s(o.tokens, o.shape.drafts > 0, o.shape.tree, o.propose_rows,
@@ -204,7 +209,8 @@ class SpeculationPolicy:
         best = ranked[0]
         self._decisions += 1
         self.budget.tick()
-        if self._decisions % EXPLORE_EVERY == 0 and self.budget.allows():
+        due = self._decisions % EXPLORE_EVERY == 0 or self._unpriced(ranked)
+        if due and self.budget.allows():
             best = self._explore(ranked)
         self.budget.mark(best is not ranked[0])
         if log.isEnabledFor(logging.DEBUG):
@@ -217,6 +223,15 @@ class SpeculationPolicy:
                     for o in options)})
         return best.shape
 
+    def _unpriced(self, ranked: list[Option]) -> bool:
+        """The runner-up drafts at a Propose price that is still the draft's warm-up curve in
+        this regime (alone or busy; serving timed none): explored at once, not EXPLORE_EVERY
+        decisions later - at one request a price 3x too dear kept auto from drafting for the
+        first ~32 steps, most of a short request."""
+        runner_up = _runner_up(ranked)
+        return bool(runner_up.shape.drafts) and self.cost.propose_untimed(
+            runner_up.shape.tree, runner_up.requests > 1)
+
     def _explore(self, ranked: list[Option]) -> Option:
         """Exploration: a size the model prices too dear (a warm-up point taken while the shape
         ran for the first time, a Propose line taught while other requests shared the cores)
@@ -225,8 +240,7 @@ class SpeculationPolicy:
         busy) EXPLORE_RUNS times each: then its price is serving's own, and exploring it again
         would only cost (on a CPU where not drafting wins, one step in 32 drafting kept auto
         3 % below it)."""
-        best = ranked[0]
-        runner_up = next((o for o in ranked[1:] if o.tokens != best.tokens), best)
+        best, runner_up = ranked[0], _runner_up(ranked)
         shape = runner_up.shape
         if (self.cost.verify_runs(runner_up.tokens, shape.tree) >= EXPLORE_RUNS
                 and (not shape.drafts or self.cost.propose_runs(
