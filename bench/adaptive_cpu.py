@@ -238,22 +238,24 @@ def markdown(r: dict) -> str:
     return "\n".join(lines + ["", notes]) + "\n"
 
 
-NOTES = """Reading it (session 34, at 055be24: Proposes timed while other requests ran priced
-apart from those timed alone, and the alone price explored until serving has timed it; AMD
-EPYC, 2 cores, a slower and noisier day than session 33's: autoregressive 18.5 tokens/s at one
-request against 27.1, and its two rounds at 4 requests 6.1 and 4.7 s): auto is 0.82, 0.91,
-0.96, 0.97x the best fixed shape and **1.20**, 1.05, 0.96, 0.97x autoregressive at 1, 2, 4, 8
-requests - not met at any level. At one request auto now drafts (chains of 4 tokens and trees,
-20 % over autoregressive; before: 0.96x, it hardly drafted because the Propose line it had
-learnt at two requests - 37 ms, beside the other request's verify on the same two cores - priced
-a Propose alone, 11 ms, three times too high), but trees of 7 beat its mix by 22 %. At 2-8
-requests it does not draft (1.0 token per step: as autoregressive), and the 3-4 % it trails
-autoregressive there is run-to-run noise between two gateways doing the same work (session 33:
-0.99 and 1.04 at 4 and 8); at 2 requests trees of 7 won 16 % this time, where session 33 had
-every drafting shape 8-30 % under autoregressive. Earlier runs (auto / best fixed at 1, 2, 4,
-8; `bench/results/archive/`): ebf85aa 0.86, 1.05, 0.99, 1.04; 6d2b781 0.95, 0.91, 1.01, 0.81;
-044dbbf 0.90, 0.77, 0.82, 0.83; e31774b 0.88, 1.01, 0.95, 0.89; a2d1727 0.89, 0.97, 0.83,
-0.91; 742d993 0.91, 0.96, 0.96, 0.97. Start-up: the target's verify cost calibration is
+NOTES = """Reading it (session 34, at 0d1cc96: Proposes timed while other requests ran priced
+apart from those timed alone, a runner-up whose Propose price is still the warm-up curve in
+its regime explored at once, a greedy tree step counted for the chain it contains; AMD EPYC, 2
+cores, a slower and noisier day than session 33's - autoregressive 21.0 tokens/s at one request
+against 27.1): auto is 0.89, 0.87, 0.96, 0.97x the best fixed shape and **1.25**, 1.04, 0.96,
+0.97x autoregressive at 1, 2, 4, 8 requests - not met at any level. At one request auto now
+drafts (chains of 3.3 tokens on average; in session 33 it hardly drafted, 0.96x
+autoregressive: the Propose price it had learnt at two requests - 37 ms, beside the other
+request's verify on the same two cores - was three times what a Propose alone costs, 11 ms),
+but chain 2 beat its choices by 13 %. At 2 requests trees of 7 and 15 beat autoregressive by
+19 % this time (session 33: every drafting shape 8-30 % under it) and auto did not draft. At 4
+and 8 it hardly drafts and trails autoregressive by 3-4 % in both of today's runs (055be24:
+0.96, 0.97; session 33: 0.99, 1.04): the per-step decision's cost and exploration, not yet
+profiled. The run before (055be24, without the immediate exploration): 0.82, 0.91, 0.96, 0.97
+of the best and 1.20, 1.05, 0.96, 0.97 of autoregressive. Earlier runs (auto / best fixed at 1,
+2, 4, 8; `bench/results/archive/`): ebf85aa 0.86, 1.05, 0.99, 1.04; 6d2b781 0.95, 0.91, 1.01,
+0.81; 044dbbf 0.90, 0.77, 0.82, 0.83; e31774b 0.88, 1.01, 0.95, 0.89; a2d1727 0.89, 0.97,
+0.83, 0.91; 742d993 0.91, 0.96, 0.96, 0.97. Start-up: the target's verify cost calibration is
 bounded by `--cost-calibration-s` (default 1.5 s), on top of the CPU GEMM calibration (1.2-1.3
 s on this EPYC); the draft's Propose curve adds 0.4 s."""
 

@@ -41,6 +41,8 @@ from services.target.__main__ import check_tensor_parallel
 from services.target.config import TargetConfig
 from services.target.ranks import EXIT_RANK_LOST
 
+pytestmark = pytest.mark.slow
+
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
 TP_FLAGS = ("--kv-budget", "64MiB", "--max-block-size", "16")
 
