@@ -103,7 +103,7 @@ def markdown(r: dict) -> str:
              f"`{r['command']}`. SmolLM2-135M-Instruct fp32, greedy decoding of {r['tokens']} "
              f"tokens through Prefill + Verify (median of {r['rounds']} rounds) and the round "
              f"trip of a Verify of 16 tokens; the outputs of 1 and 3 ranks are identical.")
-    lines = [setup, "", "| ranks | decode tokens/s | Verify of 16 (ms) |", "|---|---|---|"]
+    lines = [SECTION, "", setup, "", "| ranks | decode tokens/s | Verify of 16 (ms) |", "|---|---|---|"]
     lines += [f"| {row['ranks']} | {row['decode_tokens_per_s']} | {row['verify16_ms']} |"
               for row in r["rows"]]
     lines += ["", NOTE]

@@ -368,8 +368,10 @@ def target(services) -> ServiceProcess:
 
 @pytest.fixture(scope="module")
 def gateways(smollm2_dir, services, logs) -> Iterator[dict]:
+    # fixed sizes: the test needs Proposes on the wire (auto may not draft with a random drafter)
     gws = {wire: start_gateway(services["target"].address, smollm2_dir, logs, "--wire", wire,
-                               draft=services["draft"].address) for wire in ("stream", "unary")}
+                               "--speculation", "fixed", draft=services["draft"].address)
+           for wire in ("stream", "unary")}
     yield gws
     for p in gws.values():
         p.stop()

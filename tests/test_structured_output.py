@@ -52,7 +52,10 @@ def gateways(smollm2_dir, tmp_path_factory):
     target = start_target(smollm2_dir, logs)
     draft = start_draft(smollm2_dir, logs, model_dir=SHIPPED)
     gws = {"alone": start_gateway(target.address, smollm2_dir, logs),
-           "chain": start_gateway(target.address, smollm2_dir, logs, draft=draft.address),
+           # fixed sizes: every answer must exercise drafting under the grammar (auto chooses
+           # by cost and may not draft in a short answer)
+           "chain": start_gateway(target.address, smollm2_dir, logs, "--speculation", "fixed",
+                                  draft=draft.address),
            "tree": start_gateway(target.address, smollm2_dir, logs, "--spec-tree-nodes", "15",
                                  draft=draft.address)}
     yield gws

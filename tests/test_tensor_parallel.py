@@ -114,7 +114,8 @@ def tiny_targets(tiny_qwen3, tmp_path_factory):
     one = start_target(tiny_qwen3, logs, *TP_FLAGS)
     two = start_target(tiny_qwen3, logs, *TP_FLAGS, "--tensor-parallel-size", "2")
     yield one, two
-    assert two.stop() == 0 and one.stop() == 0
+    codes = two.stop(), one.stop()
+    assert codes == (0, 0)
     assert not follower_pids_alive(two)
 
 
