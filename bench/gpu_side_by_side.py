@@ -149,7 +149,7 @@ class GpuStack:
                          "--kv-cache-dtype", args.kv_cache_dtype,
                          "--max-block-size", "16", "--graph-capture-layers", capture,
                          "--token-budget", "2048", "--feature-plane", plane,
-                         "--max-message-mib", "512"),
+                         "--max-message-mib", "512", *_state_slots(args)),
             draft_args=(*PREFIX_CACHING_OFF, "--kv-budget", args.draft_kv,
                         "--token-budget", "8192", "--max-message-mib", "512"),
             gateway_args=("--wire", self.wires[0], "--max-message-mib", "512"),
@@ -469,6 +469,16 @@ def plot(data: dict, path: Path) -> None:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _state_slots(args: argparse.Namespace) -> tuple[str, ...]:
+    """A hybrid target's state pool sized for the most requests in flight (+2), not the
+    default 64 slots: each holds 1 + 16 states of every recurrent layer (a Qwen3.5-9B shape:
+    0.9 GB a slot), which at 64 slots passed the KV budget."""
+    layer_types = SHAPES[args.shape][0].get("layer_types", ())
+    if "linear_attention" not in layer_types:
+        return ()
+    return ("--state-slots", str(max(args.levels) + 2))
 
 
 def main(argv: list[str] | None = None) -> None:

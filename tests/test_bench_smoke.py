@@ -125,6 +125,13 @@ def hybrid_cpu(d: dict) -> None:
     positive(d["models"]["hybrid"]["state_bytes_per_sequence_live"])
 
 
+def delta_kernels_gpu(d: dict) -> None:
+    kinds = {r["kind"] for r in d["rows"]}
+    assert {"prefill", "decode"} <= kinds and any(k.startswith("verify") for k in kinds)
+    positive(*(r["ms"] for r in d["rows"]))
+    assert all(r["out_rel_err"] == 0.0 for r in d["rows"] if "out_rel_err" in r)   # the reference
+
+
 def hybrid_gpu(d: dict) -> None:
     rows = d["rows"]
     assert len(rows) == 8 and len({r["model"] for r in rows}) == 2
@@ -279,6 +286,7 @@ BENCHES = [
           extra=("--shape", "qwen3-8b")),
     Bench("anchor_positions", anchor_positions),
     Bench("cpu_gemm", cpu_gemm, "## CPU compute: GEMM and threads"),
+    Bench("delta_kernels_gpu", delta_kernels_gpu),
     Bench("draft_cpu", draft_cpu),
     Bench("drafter_cpu", drafter_cpu),
     Bench("gateway_cpu", gateway_cpu, "## Gateway / end to end (CPU)"),

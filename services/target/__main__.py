@@ -65,6 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--tensor-parallel-size", 1, int, "split the model's attention heads and MLP "
               "columns over this many ranks of this host (processes: NCCL on GPUs 0..N-1, gloo "
               "on the CPU, each rank a share of the cores); dense Llama / Qwen2 / Qwen3 only")
+    flags.add(p, "--linear-attention-kernels", "auto", str, "Gated DeltaNet (Qwen3.5 / "
+              "Qwen3-Next) prefill and decode kernels: auto (fla on CUDA where the fla-core "
+              "package imports, else torch) | torch | fla (flash-linear-attention's Triton "
+              "kernels; CUDA only). Verify blocks always run the torch closed form")
     args = p.parse_args(argv)
     if not args.model:
         p.error("--model (or DFLASH_MODEL) is required")
@@ -91,7 +95,8 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         cost_calibration_s=args.cost_calibration_s, prefix_caching=args.enable_prefix_caching,
         prefix_cache_max_pages=args.prefix_cache_max_pages,
         prefix_state_checkpoints=args.prefix_state_checkpoints,
-        tensor_parallel_size=args.tensor_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size,
+        linear_attention_kernels=args.linear_attention_kernels)
 
 
 async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.layers.delta_kernels import CHOICES as DELTA_KERNELS
 from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM
 
 PLANE_CHOICES = ("auto", "shm", "cuda-ipc", "stream", "off")     # --feature-plane
@@ -50,6 +51,8 @@ class TargetConfig:
     # (runtime/state_checkpoints.py); 0 = none, so their prefix caching is off
     prefix_state_checkpoints: int = 16
     tensor_parallel_size: int = 1      # ranks the model is split over (services/target/ranks.py)
+    # Gated DeltaNet prefill / decode kernels (runtime/layers/delta_kernels.py): auto | torch | fla
+    linear_attention_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_block_size < 1 or self.token_budget < self.max_block_size:
@@ -73,6 +76,9 @@ class TargetConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv cache dtype {self.kv_cache_dtype!r} is not supported; allowed: "
                              f"{' | '.join(KV_CACHE_DTYPES)}")
+        if self.linear_attention_kernels not in DELTA_KERNELS:
+            raise ValueError(f"linear-attention kernels {self.linear_attention_kernels!r}: "
+                             f"allowed {' | '.join(DELTA_KERNELS)}")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu gemm {self.cpu_gemm!r} is not offered by this torch build; "
                              f"allowed: {sorted(CPU_GEMMS)}")

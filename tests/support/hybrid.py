@@ -107,7 +107,9 @@ def forward_many(worker: TargetWorker, parts: list[tuple[HybridSeq, list[int], b
         slices.append(SeqSlice(seq.table, seq.seq_len, len(tokens)))
         ids.extend(tokens)
         positions.extend(range(seq.seq_len, seq.seq_len + len(tokens)))
-    out = worker.forward(slices, torch.tensor(ids), torch.tensor(positions), (),
+    device = worker.device
+    out = worker.forward(slices, torch.tensor(ids, device=device),
+                         torch.tensor(positions, device=device), (),
                          [seq.slot for seq, _, _ in parts], [v for _, _, v in parts])
     for seq, tokens, verify in parts:
         if not verify:
