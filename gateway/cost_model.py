@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import bisect
 import logging
+import statistics
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gateway.propose_line import ProposeLine
+from gateway.propose_line import PROPOSE_WINDOW, ProposeLine
 from services.common import metrics
 
 log = logging.getLogger("dflash.gateway.cost")
@@ -44,6 +46,7 @@ ALPHA = 0.1                             # weight of a new observation in each mo
 MAX_WEIGHT = 50.0                       # a point's weight in the fit stops growing here
 UNOBSERVED_WEIGHT = 0.1                 # warm-up points' weight once one proved wrong
 PLAUSIBLE = (0.2, 5.0)                  # serving / warm-up time ratios a curve's scale explains
+OVERHEAD_PRIOR = 3                      # pseudo-points of the Verify overhead in the Propose one
 
 
 @dataclass
@@ -165,12 +168,26 @@ class CostModel:
         self.propose_s = 0.0            # a chain Propose's forward of no rows (0: none timed) ...
         self.propose_per_row_s = 0.0    # ... and each row of it
         self.tree_propose = (0.0, 0.0)  # the same for trees (intercept, per row)
-        self.propose_overhead_s = 0.0   # a Propose's round trip beyond its forward
+        # a Propose's round trip beyond its forward: serving's last few (a median, see
+        # propose_overhead_s)
+        self._propose_overheads: deque[float] = deque(maxlen=PROPOSE_WINDOW)
         self.overhead_s = 0.0
 
     @property
     def known(self) -> bool:
         return self.chains.known
+
+    @property
+    def propose_overhead_s(self) -> float:
+        """A Propose's round trip beyond its forward: the median of serving's last few, where
+        the Verify's overhead (the same wire and event loops) stands in for those not timed yet
+        (up to OVERHEAD_PRIOR of them). Taken whole, the first Propose of a process - 78 ms past
+        its 19 ms forward on the EPYC (first use of the stream and the plane) - priced every
+        drafting shape 2-4x too dear, and auto stopped drafting for good: a Propose never ran
+        again to correct it."""
+        seen = list(self._propose_overheads)
+        prior = [self.overhead_s] * max(0, OVERHEAD_PRIOR - len(seen))
+        return statistics.median(seen + prior) if seen or prior else 0.0
 
     # -- reading -------------------------------------------------------------------------------
     def verify_s(self, tokens: int, tree: bool = False) -> float:
@@ -271,11 +288,17 @@ class CostModel:
         Propose beside another request's verify took 3x one alone, and a line taught at two
         requests kept auto from drafting at one, where it won."""
         if forward_s > 0:
-            self.propose_overhead_s = _average(self.propose_overhead_s,
-                                               max(0.0, wall_s - forward_s))
-        self._line(tree, busy, pricing=False).observe(rows,
-                                                      forward_s if forward_s > 0 else wall_s)
+            self._propose_overheads.append(max(0.0, wall_s - forward_s))
+        line = self._line(tree, busy, pricing=False)
+        line.observe(rows, forward_s if forward_s > 0 else wall_s)
         self._lines()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("propose timed", extra={
+                "rows": rows, "forward_ms": round(forward_s * 1e3, 2),
+                "wall_ms": round(wall_s * 1e3, 2), "tree": tree, "busy": busy,
+                "overhead_ms": round(self.propose_overhead_s * 1e3, 2),
+                "line_ms": [round(x * 1e3, 3) for x in line.line],
+                "seed_scale": round(line.seed_scale, 3)})
 
     def _lines(self) -> None:
         self.propose_s, self.propose_per_row_s = self.chain_proposes.line

@@ -453,6 +453,24 @@ def test_a_propose_s_round_trip_beyond_its_forward_is_its_overhead():
     assert c.propose_cost(10) == pytest.approx(0.003 + 0.018, rel=0.01)
 
 
+def test_one_slow_first_propose_does_not_price_its_overhead_into_every_step():
+    """The EPYC, structured output at one request: the process's first Propose took 97 ms for
+    a 19 ms forward (first use of the stream and the plane). Taken whole, that 78 ms priced
+    every chain 2-4x its cost, auto never drafted again and so never timed a Propose to learn
+    better. The overhead is a median, the Verify's overhead standing in for Proposes not yet
+    timed; two Proposes that agree carry it."""
+    c = CostModel([(1, 0.010)])
+    c.observe_verify(1, 0.010, 0.012)                   # the wire: 2 ms beyond the forward
+    assert c.propose_overhead_s == pytest.approx(0.002)
+    c.observe_propose(0.097, 49, forward_s=0.019)       # the cold first one
+    assert c.propose_overhead_s == pytest.approx(0.002)
+    c.observe_propose(0.014, 9, forward_s=0.011)
+    assert c.propose_overhead_s == pytest.approx(0.003)
+    for _ in range(3):                                  # a draft that really is far away
+        c.observe_propose(0.060, 9, forward_s=0.010)
+    assert c.propose_overhead_s == pytest.approx(0.050)
+
+
 def test_drafting_must_promise_a_margin_over_not_drafting():
     """A near-tie goes to not drafting (DRAFT_MARGIN): on the EPYC at 2-8 requests the options
     were within a few % of each other, and the drafts auto then ran cost 18-23 %."""
