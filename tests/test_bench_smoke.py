@@ -125,9 +125,11 @@ def hybrid_cpu(d: dict) -> None:
     positive(d["models"]["hybrid"]["state_bytes_per_sequence_live"])
 
 
-def delta_kernels_gpu(d: dict) -> None:
-    kinds = {r["kind"] for r in d["rows"]}
-    assert {"prefill", "decode"} <= kinds and any(k.startswith("verify") for k in kinds)
+def scan_kernels_gpu(d: dict) -> None:
+    kinds = {(r["family"], r["kind"]) for r in d["rows"]}
+    for family in ("delta", "ssd"):
+        assert {(family, "prefill"), (family, "decode"),
+                (family, "verify (every position's state)")} <= kinds
     positive(*(r["ms"] for r in d["rows"]))
     assert all(r["out_rel_err"] == 0.0 for r in d["rows"] if "out_rel_err" in r)   # the reference
 
@@ -286,7 +288,6 @@ BENCHES = [
           extra=("--shape", "qwen3-8b")),
     Bench("anchor_positions", anchor_positions),
     Bench("cpu_gemm", cpu_gemm, "## CPU compute: GEMM and threads"),
-    Bench("delta_kernels_gpu", delta_kernels_gpu),
     Bench("draft_cpu", draft_cpu),
     Bench("drafter_cpu", drafter_cpu),
     Bench("gateway_cpu", gateway_cpu, "## Gateway / end to end (CPU)"),
@@ -301,6 +302,7 @@ BENCHES = [
     Bench("hybrid_gpu", hybrid_gpu),
     Bench("kv_fp8", kv_fp8, "## fp8 KV cache (CPU)"),
     Bench("prefix_cache", prefix_cache, "## Prefix caching (CPU)"),
+    Bench("scan_kernels_gpu", scan_kernels_gpu),
     Bench("simulated_tau", simulated_tau),
     Bench("smollm2_gpu", smollm2_gpu),
     Bench("spec_load_cpu", spec_load_cpu, "## Speculation under load (CPU)"),

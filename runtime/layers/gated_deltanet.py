@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.layers.delta_kernels import KERNELS, DeltaKernels
 from runtime.layers.linear import Linear
 from runtime.layers.mamba2 import ScanOut, causal_conv
+from runtime.layers.scan_kernels import KERNELS, ScanKernels
 from runtime.layers.tree_scan import ancestor_mask, tree_conv
 
 if TYPE_CHECKING:  # the backend imports the layers
@@ -190,7 +190,7 @@ class GatedDeltaNet(nn.Module):
     """in_proj_qkv -> causal conv -> q, k, v; in_proj_b / in_proj_a -> write strength and decay;
     the delta rule over the pooled state (through the state backend); gated norm with
     in_proj_z; out_proj. `state_index` is this layer's index in the state pool; `kernels` run
-    prefill and one-token steps (runtime/layers/delta_kernels.py: torch until the worker
+    prefill and one-token steps (runtime/layers/scan_kernels.py: torch until the worker
     installs its choice)."""
 
     def __init__(self, cfg: GatedDeltaNetConfig, state_index: int) -> None:
@@ -207,7 +207,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(nv))
         self.norm = HeadRMSNormGated(cfg.head_v_dim, cfg.norm_eps)
         self.out_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.kernels: DeltaKernels = KERNELS["torch"]()
+        self.kernels: ScanKernels = KERNELS["torch"]()
 
     def forward(self, x: torch.Tensor, states: MambaStatePath) -> torch.Tensor:
         """x [T, H] (flattened over the forward's sequences) -> [T, H]."""
@@ -247,7 +247,7 @@ class GatedDeltaNet(nn.Module):
                         b, L, L))                                       # a chain: s <= t
             o, S = delta_block(S, q, k, v, g, beta, mask)
         elif L == 1:
-            o, S = self.kernels.step(S, q, k, v, g, beta)
+            o, S = self.kernels.delta_step(S, q, k, v, g, beta)
         else:
-            o, S = self.kernels.chunked(S, q, k, v, g, beta, cfg.chunk_size)
+            o, S = self.kernels.delta_chunked(S, q, k, v, g, beta, cfg.chunk_size)
         return ScanOut(o.reshape(b, L, -1), conv, S)

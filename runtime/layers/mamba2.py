@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.layers.linear import Linear
+from runtime.layers.scan_kernels import KERNELS, ScanKernels
 from runtime.layers.tree_scan import ssd_tree, tree_conv
 
 if TYPE_CHECKING:  # the backend imports this module
@@ -201,7 +202,9 @@ def output_norm(cfg: Mamba2Config) -> nn.Module:
 
 class Mamba2Mixer(nn.Module):
     """in_proj -> [z | xBC | dt]; causal conv + SSM over xBC (states through the state backend);
-    gated norm with z; out_proj. `state_index` is this layer's index in the state pool."""
+    gated norm with z; out_proj. `state_index` is this layer's index in the state pool;
+    `kernels` run prefill and one-token steps (runtime/layers/scan_kernels.py: torch until the
+    worker installs its choice)."""
 
     def __init__(self, cfg: Mamba2Config, state_index: int) -> None:
         super().__init__()
@@ -216,6 +219,7 @@ class Mamba2Mixer(nn.Module):
         self.norm = output_norm(cfg)
         out_bias = cfg.proj_bias if cfg.out_proj_bias is None else cfg.out_proj_bias
         self.out_proj = Linear(inner, cfg.hidden_size, bias=out_bias)
+        self.kernels: ScanKernels = KERNELS["torch"]()
 
     def forward(self, x: torch.Tensor, states: MambaStatePath) -> torch.Tensor:
         """x [T, H] (flattened over the forward's sequences) -> [T, H]."""
@@ -252,9 +256,9 @@ class Mamba2Mixer(nn.Module):
         elif keep_states:
             y, ssm = ssd_block(h, xs, dt, dA, B, C, D, keep_states=True)
         elif L == 1:
-            y, ssm = ssd_step(h, xs[:, 0], dt[:, 0], dA[:, 0], B[:, 0], C[:, 0], D)
+            y, ssm = self.kernels.ssd_step(h, xs[:, 0], dt[:, 0], dA[:, 0], B[:, 0], C[:, 0], D)
             y = y[:, None]
         else:
-            y, ssm = ssd_chunked(h, xs, dt, dA, B, C, D, cfg.chunk_size)
+            y, ssm = self.kernels.ssd_chunked(h, xs, dt, dA, B, C, D, cfg.chunk_size)
         return ScanOut(y.reshape(b, L, -1), conv, ssm)
 

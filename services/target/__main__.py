@@ -65,10 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--tensor-parallel-size", 1, int, "split the model's attention heads and MLP "
               "columns over this many ranks of this host (processes: NCCL on GPUs 0..N-1, gloo "
               "on the CPU, each rank a share of the cores); dense Llama / Qwen2 / Qwen3 only")
-    flags.add(p, "--linear-attention-kernels", "auto", str, "Gated DeltaNet (Qwen3.5 / "
-              "Qwen3-Next) prefill and decode kernels: auto (fla on CUDA where the fla-core "
-              "package imports, else torch) | torch | fla (flash-linear-attention's Triton "
-              "kernels; CUDA only). Verify blocks always run the torch closed form")
+    flags.add(p, "--linear-attention-kernels", "auto", str, "hybrid targets' recurrent layers "
+              "(Gated DeltaNet, Mamba2): prefill and decode kernels - auto (fla on CUDA where "
+              "the fla-core package imports, else torch) | torch | fla (flash-linear-attention's "
+              "Triton kernels; CUDA only). Verify blocks always run our closed forms")
     args = p.parse_args(argv)
     if not args.model:
         p.error("--model (or DFLASH_MODEL) is required")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.layers.delta_kernels import CHOICES as DELTA_KERNELS
 from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM
+from runtime.layers.scan_kernels import CHOICES as SCAN_KERNELS
 
 PLANE_CHOICES = ("auto", "shm", "cuda-ipc", "stream", "off")     # --feature-plane
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")                             # --kv-cache-dtype
@@ -51,7 +51,7 @@ class TargetConfig:
     # (runtime/state_checkpoints.py); 0 = none, so their prefix caching is off
     prefix_state_checkpoints: int = 16
     tensor_parallel_size: int = 1      # ranks the model is split over (services/target/ranks.py)
-    # Gated DeltaNet prefill / decode kernels (runtime/layers/delta_kernels.py): auto | torch | fla
+    # recurrent layers' prefill / decode kernels (runtime/layers/scan_kernels.py): auto | torch | fla
     linear_attention_kernels: str = "auto"
 
     def __post_init__(self) -> None:
@@ -76,9 +76,9 @@ class TargetConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv cache dtype {self.kv_cache_dtype!r} is not supported; allowed: "
                              f"{' | '.join(KV_CACHE_DTYPES)}")
-        if self.linear_attention_kernels not in DELTA_KERNELS:
+        if self.linear_attention_kernels not in SCAN_KERNELS:
             raise ValueError(f"linear-attention kernels {self.linear_attention_kernels!r}: "
-                             f"allowed {' | '.join(DELTA_KERNELS)}")
+                             f"allowed {' | '.join(SCAN_KERNELS)}")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu gemm {self.cpu_gemm!r} is not offered by this torch build; "
                              f"allowed: {sorted(CPU_GEMMS)}")

@@ -23,8 +23,8 @@ from runtime.attention.metadata import AttentionMetadata, SeqSlice
 from runtime.attention.registry import BackendUnavailable, backend_class
 from runtime.config import default_model_id, dtype_name, parse_dtype
 from runtime.kv_cache import KVLayout, KVScales, PagedKVCache
-from runtime.layers.delta_kernels import install as install_delta_kernels
 from runtime.layers.linear import calibrate_cpu_gemm, set_cpu_gemm
+from runtime.layers.scan_kernels import install as install_scan_kernels
 from runtime.models.forward import ForwardBatch, ForwardOutput
 from runtime.models.registry import load_model
 from runtime.prefix_cache import PrefixCache
@@ -74,8 +74,8 @@ class TargetWorker:
         t0 = time.monotonic()
         self.model = load_model(config.model_dir, self.dtype, self.device, hooks.random_weights,
                                 tp_rank=rank, tp_size=config.tensor_parallel_size)
-        self.delta_kernels = install_delta_kernels(self.model, config.linear_attention_kernels,
-                                                   self.device)   # None: no such layers
+        self.scan_kernels = install_scan_kernels(self.model, config.linear_attention_kernels,
+                                                 self.device)   # None: no recurrent layers
         self.ranks: TensorParallelRanks | None = None   # rank 0 of several: its followers
         cfg = self.model.cfg
         self.facts = ModelFacts(
@@ -99,7 +99,7 @@ class TargetWorker:
         self.stage = "loaded"
         log.info("weights loaded", extra={"model": self.facts.model_id,
                                           "seconds": round(time.monotonic() - t0, 2),
-                                          "linear_attention_kernels": self.delta_kernels})
+                                          "linear_attention_kernels": self.scan_kernels})
 
     # -- stage-gated answers -------------------------------------------------------------
     def _require(self, stage: str, what: str) -> None:
