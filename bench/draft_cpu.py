@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import torch
 from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 from dflash.make_draft import make_random_drafter
 from runtime import threads
+from services.common.ports import free_port
 from services.draft.config import DraftConfig
 from services.draft.dflash_drafter import DFlashDrafter
 from services.draft.engine import DraftEngine, ProposeCall
@@ -113,7 +113,7 @@ def grpc_latency(draft: Path, target: Path, steps: int, context: int = CONTEXT) 
 
     from dflash.v1 import common_pb2, draft_pb2, draft_pb2_grpc
     from services.common import tensor_codec
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "services.draft", "--model", str(draft),
                              "--target-model", str(target), "--port", str(port), "--host",
                              "127.0.0.1", "--log-level", "WARNING"])
@@ -144,11 +144,6 @@ def grpc_latency(draft: Path, target: Path, steps: int, context: int = CONTEXT) 
         proc.wait(30)
     return {"block": 16, "batch": 1, "context": context, "new_rows": NEW_ROWS, **summary(samples)}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_serving(address: str) -> None:

@@ -42,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.report import machine, save, write_section
 from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.common.ports import free_port
 
 SECTION = "## Gateway / end to end (CPU)"
 LEVELS = (1, 8, 32)
@@ -57,12 +58,6 @@ COPY_TASKS = [("Repeat this sentence word for word: The early bird catches the w
 
 
 # -- processes ---------------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
     """(sample name, sorted labels) -> value."""

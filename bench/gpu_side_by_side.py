@@ -38,7 +38,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import torch
 
-from bench.gateway_cpu import drive, features_travel, free_port, scrape, step_breakdown
+from bench.gateway_cpu import drive, features_travel, scrape, step_breakdown
 from bench.h200_micro import (
     QWEN3_5_9B,
     QWEN3_5_DRAFT,
@@ -54,6 +54,7 @@ from bench.h200_micro import (
 from bench.tiny import NO_CUDA, tiny_fields, tiny_outputs
 from dflash.harness import ForcedAcceptance, HookFlags
 from dflash.prepare.tiny_mla import DEEPSEEK_V2_LITE
+from services.common.ports import free_port
 
 # --shape: (target config, the drafter's taps, the drafter's own layer layout: None = the
 # target's; a hybrid target's drafter is a dense Qwen3 layout of its width)

@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.demo import free_port
+from services.common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 INSTALL_SCRIPT = REPO / "deploy" / "install-test-tools.sh"

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import grafana_dashboard as dash
-from bench.local_prometheus import LocalPrometheus, ScrapeJob, Series, free_port
+from bench.local_prometheus import LocalPrometheus, ScrapeJob, Series
+from services.common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "img" / "dashboard.png"

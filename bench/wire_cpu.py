@@ -142,7 +142,7 @@ async def measure(port: int, method: str, wire: str, callers: int, calls: int,
 
 
 def wire_alone(rounds: int, calls: int, warmup: int = 50) -> list[dict]:
-    from bench.gateway_cpu import free_port
+    from services.common.ports import free_port
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "bench.wire_cpu", "--serve", str(port)],
                               stdout=subprocess.PIPE, text=True)

@@ -7,7 +7,8 @@ import argparse
 import sys
 import time
 
-from dflash.stack import DEFAULT_DRAFTER, DRAFTERS, Stack, StackOptions, free_port
+from dflash.stack import DEFAULT_DRAFTER, DRAFTERS, Stack, StackOptions
+from services.common.ports import free_port
 
 DEFAULT_PROMPT = ("Write a Python function that adds two numbers, then write the same function "
                   "again with a docstring.")

@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -309,11 +308,6 @@ class Stack:
         lines.append(f"  logs        {self.log_dir}")
         return "\n".join(lines)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def readiness(http_url: str) -> tuple[bool, str]:

@@ -220,12 +220,13 @@ class CostModel:
         """A Propose whose draft forward runs `rows` rows (every proposing sequence's appended
         context rows plus its block; a tree: its own line once one was timed), round trip.
         busy: while other requests run - their line once serving timed one, else alone's."""
-        busy_line = self.busy_proposes[tree and self.tree_proposes.known]
-        if busy and busy_line.window:
+        busy_line = self._line(tree, busy) if busy else None
+        if busy_line is not None and busy_line.window:
             base, per_row = busy_line.line
+        elif tree and self.tree_proposes.known:
+            base, per_row = self.tree_propose
         else:
-            base, per_row = (self.tree_propose if tree and self.tree_proposes.known
-                             else (self.propose_s, self.propose_per_row_s))
+            base, per_row = self.propose_s, self.propose_per_row_s
         return self.propose_overhead_s + base + per_row * rows
 
     def propose_runs(self, tree: bool = False, busy: bool = False) -> int:

@@ -22,7 +22,6 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import tensor_parallel, threads
+from services.common.ports import free_port
 from services.target.config import TargetConfig
 from services.target.hooks import TargetHooks
 
@@ -56,11 +56,6 @@ class Report:
     kv_pages: int = 0                   # its KV pages (ok): every rank must hold the same
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def group_backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
@@ -77,12 +72,13 @@ class TensorParallelRanks:
     def __init__(self, config: TargetConfig, procs: list, reports: mp.Queue) -> None:
         self.config, self.procs, self.reports = config, procs, reports
         self._watching = False
+        self._ready: list[Report] = []     # ready reports read while looking for errors
 
     @classmethod
     def launch(cls, config: TargetConfig, hooks: TargetHooks) -> TensorParallelRanks:
         """Starts ranks 1..N-1 and joins the group with them (blocking: a start-up stage)."""
         size = config.tensor_parallel_size
-        address = f"127.0.0.1:{_free_port()}"
+        address = f"127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         reports = ctx.Queue()
         level = logging.getLevelName(logging.getLogger("dflash").getEffectiveLevel())
@@ -119,6 +115,8 @@ class TensorParallelRanks:
 
     def _next_report(self, deadline: float, doing: str) -> Report:
         while True:
+            if self._ready:
+                return self._ready.pop(0)
             try:
                 return self.reports.get(timeout=POLL_S)
             except queue.Empty:
@@ -146,15 +144,17 @@ class TensorParallelRanks:
             raise RankFailed(f"tensor-parallel start-up failed while {doing}: {error[0]}")
 
     def _check_alive(self, doing: str) -> None:
-        """A follower's error report or exit -> RankFailed naming it."""
-        try:
-            report = self.reports.get_nowait()
+        """A follower's error report or exit -> RankFailed naming it (ready reports are kept
+        for wait_ready)."""
+        while True:
+            try:
+                report = self.reports.get_nowait()
+            except queue.Empty:
+                break
             if not report.ok:
                 raise RankFailed(f"tensor-parallel rank {report.rank} failed during start-up "
                                  f"({doing}): {report.detail}")
-            self.reports.put(report)                 # a ready report: for wait_ready
-        except queue.Empty:
-            pass
+            self._ready.append(report)
         for rank, p in enumerate(self.procs, start=1):
             if p.exitcode is not None:
                 raise RankFailed(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code "
@@ -191,10 +191,7 @@ class TensorParallelRanks:
             if dead is not None:
                 self._exit(*dead)
             if isinstance(e, dist.DistError):
-                log.error("tensor-parallel group failed while serving: %s; exiting to be "
-                          "restarted whole", e)
-                logging.shutdown()
-                os._exit(EXIT_RANK_LOST)
+                _exit_rank_lost(f"the tensor-parallel group failed while serving: {e}")
             raise
 
     def _dead(self) -> tuple[int, int | None, int] | None:
@@ -205,11 +202,8 @@ class TensorParallelRanks:
         return None
 
     def _exit(self, rank: int, pid: int | None, code: int) -> None:
-        log.error("tensor-parallel rank %d (pid %s) exited with code %s while serving: the "
-                  "target cannot compute without it; exiting to be restarted whole",
-                  rank, pid, code)
-        logging.shutdown()
-        os._exit(EXIT_RANK_LOST)
+        _exit_rank_lost(f"tensor-parallel rank {rank} (pid {pid}) exited with code {code} "
+                        f"while serving: the target cannot compute without it")
 
     def stop(self) -> None:
         """Followers leave their loop and exit (the service stops)."""
@@ -263,6 +257,13 @@ def follow(config: TargetConfig, hooks: TargetHooks, rank: int, address: str,
         logging.shutdown()
         os._exit(1)
     dist.destroy_process_group()
+
+
+def _exit_rank_lost(why: str) -> None:
+    """Rank 0 ends (EXIT_RANK_LOST) to be restarted whole, its followers with it."""
+    log.error("%s; exiting to be restarted whole", why)
+    logging.shutdown()
+    os._exit(EXIT_RANK_LOST)
 
 
 def _exit_with_parent() -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,14 +12,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dflash.harness import NO_HOOK_FLAGS, HookFlags
+from services.common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def health_status(address: str, service: str, timeout: float = 2.0) -> int | None:
