@@ -33,10 +33,11 @@ from pathlib import Path
 
 import grpc
 
-from bench.gateway_cpu import CHATS, COPY_TASKS, Services, free_port
+from bench.gateway_cpu import CHATS, COPY_TASKS, Services
 from bench.report import add_output_flags, machine, render_only, save
 from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.common.ports import free_port
 
 SECTION = "## Adaptive speculation (CPU)"
 GPU_SECTION = "## Adaptive speculation (GPU)"
@@ -238,27 +239,32 @@ def markdown(r: dict) -> str:
     return "\n".join(lines + ["", notes]) + "\n"
 
 
-NOTES = """Reading it (session 34, at 0d1cc96: Proposes timed while other requests ran priced
-apart from those timed alone, a runner-up whose Propose price is still the warm-up curve in
-its regime explored at once, a greedy tree step counted for the chain it contains; AMD EPYC, 2
-cores, a slower and noisier day than session 33's - autoregressive 21.0 tokens/s at one request
-against 27.1): auto is 0.89, 0.87, 0.96, 0.97x the best fixed shape and **1.25**, 1.04, 0.96,
-0.97x autoregressive at 1, 2, 4, 8 requests - not met at any level. At one request auto now
-drafts (chains of 3.3 tokens on average; in session 33 it hardly drafted, 0.96x
-autoregressive: the Propose price it had learnt at two requests - 37 ms, beside the other
-request's verify on the same two cores - was three times what a Propose alone costs, 11 ms),
-but chain 2 beat its choices by 13 %. At 2 requests trees of 7 and 15 beat autoregressive by
-19 % this time (session 33: every drafting shape 8-30 % under it) and auto did not draft. At 4
-and 8 it hardly drafts and trails autoregressive by 3-4 % in both of today's runs (055be24:
-0.96, 0.97; session 33: 0.99, 1.04): the per-step decision's cost and exploration, not yet
-profiled. The run before (055be24, without the immediate exploration): 0.82, 0.91, 0.96, 0.97
-of the best and 1.20, 1.05, 0.96, 0.97 of autoregressive. Earlier runs (auto / best fixed at 1,
-2, 4, 8; `bench/results/archive/`): ebf85aa 0.86, 1.05, 0.99, 1.04; 6d2b781 0.95, 0.91, 1.01,
-0.81; 044dbbf 0.90, 0.77, 0.82, 0.83; e31774b 0.88, 1.01, 0.95, 0.89; a2d1727 0.89, 0.97,
-0.83, 0.91; 742d993 0.91, 0.96, 0.96, 0.97. Start-up: the target's verify cost calibration is
-bounded by `--cost-calibration-s` (default 1.5 s), on top of the CPU GEMM calibration (1.2-1.3
-s on this EPYC); the draft's Propose curve adds 0.4 s."""
-
+NOTES = """Reading it (session 35, at 2f84f4c: a Propose's round-trip overhead is now a median of
+serving's last few with the Verify's overhead standing in for the untimed - the first Propose of
+a process, 97 ms for a 19 ms forward, had been taken whole and kept auto from drafting again in
+short answers; AMD EPYC, 2 cores, a faster day - autoregressive 26.0 tokens/s at one request
+against 21.0 in session 34): auto is 0.89, 0.81, 0.91, 0.87x the best fixed shape and 1.07,
+0.81, 0.91, 0.87x autoregressive at 1, 2, 4, 8 requests - not met at any level, and worse than
+session 34 at 2-8. At one request auto drafted trees of 7 (156 steps) where chain 2 won by 12 %;
+at two it kept drafting trees of 7 (155 steps of 8.3 tokens) where autoregressive won by 19-25 %
+over every drafting shape; at 4 and 8 it hardly drafted and still trailed autoregressive by 9
+and 13 %. Reruns right after on the same machine with only an auto and an autoregressive
+gateway (the auto one logging its decisions; 2 rounds each, 4 requests of 48 tokens): auto / autoregressive
+1.00 and 0.96 at one request, 0.98 and 1.09 at two (after one), 0.97 and 0.99 at eight -
+within this machine's round-to-round spread (the same configuration moved 9-12 % between
+rounds), and auto chose not to draft at two and eight (2 explorations in 138 batch decisions at
+eight). What differs in the full run: auto's choices follow its history beside 12 other
+gateways on the same target and draft, and at two requests the drafting it learnt at one
+carried over - its step model prices a batch as if its requests stayed in step, while on two
+shared cores drafting requests fall out of step (one proposes while the other verifies), so
+the target runs two forwards where autoregressive runs one. Pricing that (a measured period per
+shape and load) is the next step. Previous runs (auto / best fixed at 1, 2, 4, 8;
+`bench/results/archive/`): 0d1cc96 0.89, 0.87, 0.96, 0.97 (auto / autoregressive 1.25, 1.04,
+0.96, 0.97); 055be24 0.82, 0.91, 0.96, 0.97; ebf85aa 0.86, 1.05, 0.99, 1.04; 6d2b781 0.95,
+0.91, 1.01, 0.81; 044dbbf 0.90, 0.77, 0.82, 0.83; e31774b 0.88, 1.01, 0.95, 0.89; a2d1727 0.89,
+0.97, 0.83, 0.91; 742d993 0.91, 0.96, 0.96, 0.97. Start-up: the target's verify cost
+calibration is bounded by `--cost-calibration-s` (default 1.5 s), on top of the CPU GEMM
+calibration (1.2-1.3 s on this EPYC); the draft's Propose curve adds 0.4 s."""
 
 GPU_NOTES = """Reading it: a miss, and worse than the first GPU run (0.88, 0.85, 0.91, 1.06, 0.73,
 0.72 with per-request shapes). This run (commit bd474d7) chooses one shape per batch and prices chains by their
