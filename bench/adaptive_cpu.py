@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -331,6 +332,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape", default="smollm2", choices=("smollm2", "qwen3-8b"))
     p.add_argument("--force-profile", default="",
                    help=f"--shape qwen3-8b: P1,P2,.. (default {PROFILE})")
+    p.add_argument("--keep-logs", default="",
+                   help="copy the services' logs here at the end, the auto gateway's at debug "
+                        "level (every batch decision with its options' prices, every timed "
+                        "Propose): to read why auto chose what it did")
     add_output_flags(p, "adaptive_cpu")
     add_tiny_flag(p)
     args = p.parse_args(argv)
@@ -364,9 +369,15 @@ def main(argv: list[str] | None = None) -> None:
         def checkpoint(rows: list[dict]) -> None:
             Path(args.out).write_text(json.dumps({**result, "rows": rows, "partial": True},
                                                  indent=1) + "\n")
-        with Services("dflash", Path(tmp) / "logs", speculation="auto", **options) as svc:
-            result.update(measure(args, svc, prompts, configs(chains, trees), levels,
-                                  checkpoint))
+        labels = configs(chains, trees)
+        if args.keep_logs:
+            labels[AUTO] = [*labels[AUTO], "--log-level", "debug"]
+        try:
+            with Services("dflash", Path(tmp) / "logs", speculation="auto", **options) as svc:
+                result.update(measure(args, svc, prompts, labels, levels, checkpoint))
+        finally:
+            if args.keep_logs:
+                shutil.copytree(Path(tmp) / "logs", args.keep_logs, dirs_exist_ok=True)
     save(result, Path(args.out), Path(args.doc), section(result), markdown)
     plot(result, Path(args.plot))
     print(markdown(result))
