@@ -292,6 +292,10 @@ class CostModel:
             self._propose_overheads.append(max(0.0, wall_s - forward_s))
         line = self._line(tree, busy, pricing=False)
         line.observe(rows, forward_s if forward_s > 0 else wall_s)
+        for a, b in ((self.chain_proposes, self.tree_proposes),
+                     (self.busy_proposes[False], self.busy_proposes[True])):
+            a.borrow_scale(b)
+            b.borrow_scale(a)
         self._lines()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("propose timed", extra={

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from support.hybrid import HybridSeq, make_tiny_hybrid
 from support.inproc_target import loaded_worker
+from support.procs import start_target
 
 from runtime.layers.gated_deltanet import GatedDeltaNet, l2_normalize
 from runtime.layers.mamba2 import Mamba2Mixer
@@ -45,6 +46,13 @@ def test_the_target_config_and_flag_carry_the_choice(tmp_path):
     assert config_from_args(args).linear_attention_kernels == "torch"
     assert config_from_args(parse_args(["--model", str(tmp_path)])).linear_attention_kernels \
         == "auto"
+
+
+def test_a_target_asked_for_fla_on_the_cpu_exits_refusing_before_it_serves(tmp_path):
+    src = make_tiny_hybrid(tmp_path / "q", family="qwen3_5")
+    p = start_target(src, tmp_path, "--linear-attention-kernels", "fla", wait=False)
+    assert p.proc.wait(120) == 2
+    assert "'fla' run on CUDA devices only" in p.log()
 
 
 @pytest.mark.parametrize("family,layer", [("qwen3_5", GatedDeltaNet), ("bamba", Mamba2Mixer)])

@@ -471,6 +471,27 @@ def test_one_slow_first_propose_does_not_price_its_overhead_into_every_step():
     assert c.propose_overhead_s == pytest.approx(0.050)
 
 
+def test_an_untimed_kind_of_propose_takes_the_level_serving_found_for_its_sibling():
+    """The EPYC at one request: the draft's warm-up (beside the target's calibration) put a
+    Propose at about 3x what serving's tree Proposes alone took (scale 0.36). Chains alone,
+    never timed, stayed at the warm-up's level - a chain of 2 priced at 70 ms a step where a
+    step without drafts took 31 - so auto never ran one, though chains of 2 won by 13 %. A
+    line serving has not timed borrows its sibling's scale (same warm-up, same regime); busy
+    lines are a regime of their own and lend nothing to alone's."""
+    c = CostModel([(1, 0.030)])
+    c.seed_proposes([(2, 0.036), (8, 0.040), (16, 0.046)], [(2, 0.039), (8, 0.042)])
+    assert c.propose_cost(3) == pytest.approx(0.0365, rel=0.02)         # the warm-up's level
+    for _ in range(3):
+        c.observe_propose(0.0145, 8, tree=True, forward_s=0.0144)      # 0.34x the seeds
+    scale = c.tree_proposes.seed_scale
+    assert scale == pytest.approx(0.0144 / 0.042, rel=0.03)
+    assert c.chain_proposes.seed_scale == pytest.approx(scale)
+    assert c.propose_cost(3) == pytest.approx(c.propose_overhead_s + 0.0365 * scale, rel=0.05)
+    assert c.busy_proposes[False].seed_scale == 1.0                     # busy: untouched
+    c.observe_propose(0.020, 3, forward_s=0.019)                        # its own now
+    assert c.chain_proposes.seed_scale == pytest.approx(0.019 / 0.0365, rel=0.03)
+
+
 def test_drafting_must_promise_a_margin_over_not_drafting():
     """A near-tie goes to not drafting (DRAFT_MARGIN): on the EPYC at 2-8 requests the options
     were within a few % of each other, and the drafts auto then ran cost 18-23 %."""

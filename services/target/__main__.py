@@ -10,6 +10,7 @@ import torch
 
 from runtime import tensor_parallel
 from runtime.config import default_model_id, read_config_json
+from runtime.layers import scan_kernels
 from runtime.models.dense import DenseDecoder
 from runtime.models.registry import model_class
 from runtime.sampling import SamplingConfig
@@ -119,6 +120,7 @@ async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:
 def service(args: argparse.Namespace, hooks: TargetHooks) -> bootstrap.ModelService:
     config = config_from_args(args)
     check_tensor_parallel(config)
+    scan_kernels.select(config.linear_attention_kernels, config.device)   # fla: CUDA + fla-core
     servicer = target_servicer.TargetServicer()
 
     async def start() -> TargetEngine:
