@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.h200_micro import timed
 from runtime.layers.gated_deltanet import delta_block, l2_normalize
 from runtime.layers.mamba2 import ssd_block
 from runtime.layers.scan_kernels import KERNELS, ScanKernels, fla_importable
@@ -67,25 +66,6 @@ def call(family: str, kind: str, k: ScanKernels, args: tuple):
         return partial(fn, *args, 256)
     h, x, dt, dA, B, C, D = args
     return partial(fn, h, x[:, 0], dt[:, 0], dA[:, 0], B[:, 0], C[:, 0], D)
-
-
-def timed(fn, device: str, reps: int) -> float:
-    """Median ms of fn() over reps calls after two warm-ups."""
-    fn(), fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -144,7 +124,7 @@ def compare(family: str, kind: str, b: int, L: int, shape: dict, device: str, ke
         out, state = fn()
         ref = ref or (out, state)
         rows.append({"family": family, "kind": kind, "batch": b, "tokens": L, "kernel": label,
-                     "ms": round(timed(fn, device, reps), 4),
+                     "ms": round(timed(fn, device, iters=reps), 4),
                      "out_rel_err": rel_err(out, ref[0]), "state_rel_err": rel_err(state, ref[1])})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -158,7 +138,7 @@ def verify_row(family: str, b: int, L: int, shape: dict, device: str, reps: int)
     else:
         fn = partial(ssd_block, *args, keep_states=True)
     return {"family": family, "kind": "verify (every position's state)", "batch": b,
-            "tokens": L, "kernel": "torch fp32", "ms": round(timed(fn, device, reps), 4)}
+            "tokens": L, "kernel": "torch fp32", "ms": round(timed(fn, device, iters=reps), 4)}
 
 
 def main() -> None:

@@ -220,8 +220,7 @@ class CostModel:
         """A Propose whose draft forward runs `rows` rows (every proposing sequence's appended
         context rows plus its block; a tree: its own line once one was timed), round trip.
         busy: while other requests run - their line once serving timed one, else alone's."""
-        busy_line = self._line(tree, busy) if busy else None
-        if busy_line is not None and busy_line.window:
+        if busy and (busy_line := self._line(tree, busy=True)).window:
             base, per_row = busy_line.line
         elif tree and self.tree_proposes.known:
             base, per_row = self.tree_propose

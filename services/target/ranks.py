@@ -56,7 +56,6 @@ class Report:
     kv_pages: int = 0                   # its KV pages (ok): every rank must hold the same
 
 
-
 def group_backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
