@@ -15,11 +15,10 @@ import sys
 import grpc
 import uvicorn
 
+from gateway import background, grpc_api
 from gateway import config as gateway_config
-from gateway import grpc_api
 from gateway.auth import ApiKeyInterceptor, ApiKeys
 from gateway.config import GatewayConfig
-from gateway.generation import drain_releases
 from gateway.http_api import build_app
 from gateway.service import GatewayService
 from gateway.state import GatewayState
@@ -140,7 +139,7 @@ async def _shutdown(service: GatewayService, grpc_server: grpc.aio.Server | None
         http.should_exit = True
         stops.append(http.task)
     await asyncio.gather(*stops, return_exceptions=True)
-    await drain_releases(state.config.release_timeout_s)
+    await background.drain(state.config.release_timeout_s)
     await state.close()
 
 
@@ -156,7 +155,7 @@ async def _startup_deadline(state: GatewayState, stop: asyncio.Event, status: di
     except asyncio.TimeoutError:
         pass
     state.end_draft_grace()
-    if not state.target.serving:
+    if not any(t.serving for t in state.targets):
         log.error("target not SERVING after %.0f s: %s; exiting", timeout, state.reason)
         status["code"] = 1
         stop.set()

@@ -68,6 +68,32 @@ def autoregressive(target: target_pb2.TargetCapabilities) -> Decision:
     return Decision(block_size=1, max_block_size=max(1, target.max_block_size))
 
 
+# what replicas of one role must agree on (a request may move between them mid-stream)
+TARGET_IDENTITY = ("model_id", "architecture", "dtype", "kv_dtype", "vocab_size", "num_layers",
+                   "hidden_size",
+                   "tokenizer_hash", "eos_token_ids", "max_context", "max_block_size",
+                   "max_tree_nodes", "hybrid", "feature_dtypes", "protocol_version")
+DRAFT_IDENTITY = ("model_id", "drafter_kind", "block_size", "max_block_size", "max_tree_nodes",
+                  "needs_features", "target_layer_ids", "feature_dtype", "hidden_size",
+                  "mask_token_id", "target", "protocol_version")
+
+
+def replica_differs(reference, caps, fields: tuple[str, ...]) -> str:
+    """Why a replica's capabilities differ from the reference replica's of its role ("" when
+    they agree on every field that matters)."""
+    diffs = [f"{name} {_shown(getattr(caps, name))} (the others: "
+             f"{_shown(getattr(reference, name))})"
+             for name in fields if getattr(caps, name) != getattr(reference, name)]
+    return "; ".join(diffs)
+
+
+def _shown(value) -> str:
+    if hasattr(value, "ListFields"):            # a message: its set fields
+        return "{" + ", ".join(f"{f.name}={v!r}" for f, v in value.ListFields()) + "}"
+    return repr(list(value)) if hasattr(value, "__len__") and not isinstance(value, str) \
+        else repr(value)
+
+
 def _pair_problems(t: target_pb2.TargetCapabilities, d: draft_pb2.DraftCapabilities) -> list[str]:
     p = []
     if d.protocol_version != PROTOCOL_VERSION:

@@ -5,6 +5,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from gateway.auth import load_keys
+from gateway.replicas import parse_sources
 from services.common import callers, flags, internal_auth, tls
 from services.common.tls import ClientTls, ServerTls
 
@@ -19,9 +20,12 @@ SPECULATION_MODES = ("auto", "fixed")   # or a number: a fixed verify block of t
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    target: str                          # HOST:PORT of the target service (required)
+    # the target's replicas (required) and the draft's ("" = always autoregressive): comma-
+    # separated HOST:PORT, dns:NAME:PORT or file:PATH entries (gateway/replicas.py)
+    target: str
     tokenizer_dir: str                   # the target's HF directory: tokenizer.json (+ chat template)
-    draft: str = ""                      # HOST:PORT of the draft service; "" = always autoregressive
+    draft: str = ""
+    resolve_interval_s: float = 10.0     # dns: names and file: lists are read again this often
     host: str = "0.0.0.0"
     port: int = 50050                    # gRPC dflash.v1.Gateway (0 = off)
     http_port: int = 8000                # OpenAI-compatible HTTP API + /metrics (0 = off)
@@ -69,6 +73,11 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.target:
             raise ValueError("--target HOST:PORT is required")
+        parse_sources(self.target, "--target")
+        if self.draft:
+            parse_sources(self.draft, "--draft")
+        if self.resolve_interval_s <= 0:
+            raise ValueError(f"--resolve-interval must be > 0 seconds, got {self.resolve_interval_s}")
         if not self.tokenizer_dir:
             raise ValueError("--tokenizer DIR (the target's model directory) is required")
         if self.wire not in WIRES:
@@ -114,8 +123,13 @@ class GatewayConfig:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    flags.add(p, "--target", "", str, "target service HOST:PORT")
-    flags.add(p, "--draft", "", str, "draft service HOST:PORT ('' = autoregressive only)")
+    flags.add(p, "--target", "", str, "the target service's replicas: HOST:PORT, dns:NAME:PORT "
+              "(every address the name resolves to: a headless Service) or file:PATH (HOST:PORT "
+              "lines), comma-separated for several; each request runs on the least-loaded one")
+    flags.add(p, "--draft", "", str, "the draft service's replicas, as --target ('' = "
+              "autoregressive only)")
+    flags.add(p, "--resolve-interval", 10.0, float, "seconds between resolutions of dns: names "
+              "and readings of file: lists in --target / --draft")
     flags.add(p, "--tokenizer", "", str, "the target's model directory (tokenizer.json, chat template)")
     flags.add(p, "--host", "0.0.0.0", str, "listen address")
     flags.add(p, "--port", 50050, int, "gRPC port of dflash.v1.Gateway (0 = off)")
@@ -179,7 +193,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
-        target=args.target, tokenizer_dir=args.tokenizer, draft=args.draft, host=args.host,
+        target=args.target, tokenizer_dir=args.tokenizer, draft=args.draft,
+        resolve_interval_s=args.resolve_interval, host=args.host,
         port=args.port, http_port=args.http_port, block_size=args.block_size,
         spec_disable_batch_size=args.spec_disable_batch_size,
         spec_tree_nodes=args.spec_tree_nodes, speculation=args.speculation,

@@ -31,10 +31,11 @@ import time
 import grpc
 
 from dflash.v1 import common_pb2, draft_pb2
+from gateway import background
 from gateway.feed import DraftFeed, answer_chunk
 from gateway.state import GatewayState, Speculation
 from gateway.target_link import Context, Rebuilds, TargetLink
-from gateway.upstream import UpstreamError
+from gateway.upstream import Upstream, UpstreamError
 from runtime.draft_tree import DraftTree
 
 log = logging.getLogger("dflash.gateway.loop")
@@ -55,8 +56,8 @@ class DraftState(enum.Enum):
 class DraftLink:
     def __init__(self, state: GatewayState, target: TargetLink, rebuilds: Rebuilds) -> None:
         self.gw, self.config, self.target, self.rebuilds = state, state.config, target, rebuilds
-        self.seq_id, self.ids = target.seq_id, target.ids
-        self.state = DraftState.OFF if state.draft is None else DraftState.SYNCED
+        self.seq_id, self.ids, self.route = target.seq_id, target.ids, target.route
+        self.state = DraftState.OFF if self.route.draft is None else DraftState.SYNCED
         self.feed = DraftFeed()
         self.appended = 0               # positions the last Propose appended to the draft's context
         self.last_forward = (0, 0.0)    # the last Propose's draft forward: (rows, seconds)
@@ -101,11 +102,11 @@ class DraftLink:
     def choose_capture(self, spec: Speculation) -> None:
         """Before the first Prefill: the features to capture for the draft it has now, or for
         the one it knew (briefly down); with none known, a rebuild comes before its Propose."""
-        draft = spec.draft or self.gw.known_draft()
+        draft = spec.draft or self.gw.known_draft(self.route)
         self.capture_layers = list(draft.target_layer_ids) if draft and draft.needs_features else []
         self.feature_dtype = draft.feature_dtype if draft else ""
         if self.keeps_context:
-            self.generation = self.gw.draft.generation
+            self.generation = self.route.draft.generation
             if draft is None:
                 self._to(DraftState.LOST, "no draft known at prefill")
 
@@ -120,7 +121,7 @@ class DraftLink:
             return 0                    # (a prompt within one page has no cached prefix)
         self.touched = True             # before the call: a request cancelled while it is in
         try:                            # flight still Releases what the draft opened
-            resp = await self.gw.draft.call(
+            resp = await self.route.draft.call(
                 "OpenSequence", draft_pb2.OpenSequenceRequest(sequence_id=self.seq_id,
                                                               token_ids=prompt),
                 self.config.step_timeout_s)
@@ -134,7 +135,9 @@ class DraftLink:
     def capture(self) -> tuple[list[int], str, str]:
         """What a Prefill captures for the draft: layers, dtype, and the feature plane that the
         draft reads now ("" = in the answer)."""
-        plane = "" if self.plane_failed or not self.capture_layers else self.gw.planes.plane_id
+        choice = self.gw.plane(self.route)
+        plane = ("" if self.plane_failed or not self.capture_layers or choice is None
+                 else choice.plane_id)
         return self.capture_layers, self.feature_dtype, plane
 
     def keep(self, chunk: common_pb2.FeatureChunk | None, token_ids: list[int]) -> None:
@@ -165,7 +168,7 @@ class DraftLink:
             if self._stale(spec) and not await self._rebuild(spec):
                 return NO_DRAFTS
             try:
-                resp = await self.gw.draft.call(
+                resp = await self.route.draft.call(
                     "Propose", self._request(block, tree_nodes, anchor), self.config.step_timeout_s)
             except UpstreamError as e:
                 if not self._on_error(e):
@@ -200,7 +203,8 @@ class DraftLink:
             log.warning("draft cannot read the features: %s; its context is sent again in "
                         "messages", e.details, extra=self.ids)
             self.plane_failed = True
-            self.gw.planes.failed()
+            if (choice := self.gw.plane(self.route)) is not None:
+                choice.failed()
             self._to(DraftState.LOST, "DATA_LOSS")
             return True
         if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -250,5 +254,26 @@ class DraftLink:
         return DraftTree(tokens, [int(p) for p in resp.draft_parents])
 
     async def release(self) -> None:
-        if self.touched and self.gw.draft is not None:
-            await self.gw.draft.release(self.seq_id, self.config.release_timeout_s)
+        if self.touched and self.route.draft is not None:
+            await self.route.draft.release(self.seq_id, self.config.release_timeout_s)
+
+    # -- replicas -----------------------------------------------------------------------------------
+    def move(self, to: Upstream) -> None:
+        """The request leaves its draft replica (down, draining, unlike the others or gone from
+        the list) for `to`: the context is rebuilt there at the next Propose; the one left is
+        asked to release it, in the background."""
+        old = self.route.move_draft(to)
+        log.info("request moves to draft replica %s (from %s: %s)", to.address,
+                 old.address if old else "-", old.status if old else "-", extra=self.ids)
+        if self.touched and old is not None:
+            background.spawn(old.release(self.seq_id, self.config.release_timeout_s))
+        self.touched = False
+        if self.keeps_context:
+            self._to(DraftState.LOST, "moved to another draft replica")
+
+    def target_moved(self) -> None:
+        """The request moved to another target replica: features still waiting in that one's
+        plane may be gone with it, so a feed holding references is rebuilt (inline features
+        and token ids stay good: replicas serve the same model)."""
+        if self.keeps_context and any(c.HasField("ref") for c in self.feed.chunks):
+            self._to(DraftState.LOST, "target moved; its plane's references are stale")

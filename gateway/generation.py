@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from dflash.v1 import common_pb2, target_pb2
+from gateway import background
 from gateway.admission import Admission
 from gateway.draft_link import NO_DRAFTS, DraftLink
 from gateway.feed import answer_chunk, chunk_nbytes
@@ -35,7 +36,6 @@ from gateway.telemetry import RequestTelemetry
 from runtime.draft_tree import DraftTree
 
 log = logging.getLogger("dflash.gateway.loop")
-_background: set[asyncio.Task] = set()
 
 
 @dataclass
@@ -87,8 +87,9 @@ class Generation:
         rebuilds = Rebuilds()
         self.key = f"gw-{uuid.uuid4().hex[:24]}"
         self.acceptance = state.policy.model()   # --speculation auto: this request's acceptance
-        self.target = TargetLink(state, self.key, req, rebuilds,
-                                 self.context, lambda: self.draft.capture())
+        self.route = state.place(req.prompt_ids)  # its replicas (gateway/route.py)
+        self.target = TargetLink(state, self.key, req, rebuilds, self.route, self.context,
+                                 lambda: self.draft.capture(), lambda: self.draft.target_moved())
         self.draft = DraftLink(state, self.target, rebuilds)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -114,10 +115,10 @@ class Generation:
             await _shielded(self._release())
 
     async def _prefill(self) -> Event:
-        self.draft.choose_capture(self.state.speculation())
+        self.draft.choose_capture(self.state.speculation(self.route))
         prompt = list(self.req.prompt_ids)
         mask = self.grammar.mask() if self.grammar is not None else b""
-        held = await self.draft.open(self.state.speculation(), prompt)
+        held = await self.draft.open(self.state.speculation(self.route), prompt)
         resp = await self.target.prefill(prompt, 0, token_mask=mask, features_from=held)
         self.usage.cached_tokens = resp.cached_tokens
         if self.grammar is not None:
@@ -129,7 +130,8 @@ class Generation:
                              else [])
 
     async def _step(self) -> Event:
-        spec = self.state.speculation()
+        await self._follow()
+        spec = self.state.speculation(self.route)
         policy = self.state.speculation_policy()
         block, nodes, shape = self._shape(spec, policy)
         anchor = self.out.output[-1]
@@ -159,6 +161,16 @@ class Generation:
         if policy is not None:
             self._learn(policy, shape, drafts, resp, t1 - t0 if block > 1 else None, t2 - t1)
         return event
+
+    async def _follow(self) -> None:
+        """A replica of the request's route that is no longer usable (down, draining, unlike
+        the others, gone from the list) while another one is: the request moves now, its
+        sequence rebuilt there (the target's at once, the draft's at its next Propose)."""
+        if (target := self.state.target_for(self.route)) is not None:
+            self.target.move(target)
+            await self.target.rebuild()
+        if (draft := self.state.draft_for(self.route)) is not None:
+            self.draft.move(draft)
 
     def _shape(self, spec: Speculation, policy: SpeculationPolicy | None
                ) -> tuple[int, int, Shape | None]:
@@ -245,21 +257,15 @@ class Generation:
 
     async def _release(self) -> None:
         self.state.policy.forget(self.key)
-        await asyncio.gather(self.target.release(), self.draft.release())
-
-
-async def drain_releases(timeout: float) -> None:
-    """At shutdown: let the releases of cancelled requests reach the services."""
-    if _background:
-        await asyncio.wait(set(_background), timeout=timeout)
+        try:
+            await asyncio.gather(self.target.release(), self.draft.release())
+        finally:
+            self.route.close()
 
 
 async def _shielded(coro) -> None:
     """Runs coro to the end even if the caller is cancelled again meanwhile."""
-    task = asyncio.ensure_future(coro)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
     try:
-        await asyncio.shield(task)
+        await asyncio.shield(background.spawn(coro))
     except asyncio.CancelledError:
         pass

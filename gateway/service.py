@@ -127,7 +127,7 @@ class GatewayService:
     def model_info(self) -> gateway_pb2.ModelInfo:
         self.require_ready()
         caps, spec = self.state.target_caps, self.state.speculation()
-        draft = self.state.draft.capabilities if self.state.draft is not None else None
+        draft = spec.draft
         return gateway_pb2.ModelInfo(
             model_id=self.state.model_name, vocab_size=caps.vocab_size,
             max_context=caps.max_context, eos_token_ids=list(caps.eos_token_ids),

@@ -13,7 +13,6 @@
   alone instead - a draft's fault costs only that step's speculation."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -22,11 +21,13 @@ from dataclasses import dataclass
 import grpc
 
 from dflash.v1 import target_pb2
+from gateway import background
 from gateway.backoff import Backoff
 from gateway.config import GatewayConfig
 from gateway.request import GenerationRequest
+from gateway.route import Route
 from gateway.state import GatewayState
-from gateway.upstream import UpstreamError
+from gateway.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("dflash.gateway.loop")
 
@@ -84,13 +85,16 @@ class Context:
 
 class TargetLink:
     def __init__(self, state: GatewayState, seq_id: str, req: GenerationRequest,
-                 rebuilds: Rebuilds, context: Callable[[], Context],
-                 capture: Callable[[], tuple[list[int], str, str]]) -> None:
-        """context(): the request's committed context now; capture(): the feature layers, dtype
-        and plane the draft wants from a Prefill (no layers when it needs no features)."""
+                 rebuilds: Rebuilds, route: Route, context: Callable[[], Context],
+                 capture: Callable[[], tuple[list[int], str, str]],
+                 moved: Callable[[], None]) -> None:
+        """route: the request's replicas (the target one is used here); context(): the
+        request's committed context now; capture(): the feature layers, dtype and plane the
+        draft wants from a Prefill (no layers when it needs no features); moved(): called when
+        the request moved to another target replica."""
         self.state, self.config = state, state.config
-        self.seq_id, self.req = seq_id, req
-        self.rebuilds, self.context, self.capture = rebuilds, context, capture
+        self.seq_id, self.req, self.route = seq_id, req, route
+        self.rebuilds, self.context, self.capture, self.moved = rebuilds, context, capture, moved
         self.ids = {"request_id": req.request_id, "seq": seq_id}    # log fields
         self.prefills = 0                # Prefills so far: the seed offset of the next
         self.preemptions = 0             # the sequence given back because the pools were full
@@ -112,12 +116,14 @@ class TargetLink:
                 feature_dtype=dtype, num_generated=num_generated, feature_plane=plane,
                 token_mask=token_mask, features_from=features_from)
             try:
-                resp = await self.state.target.call("Prefill", req, self.config.prefill_timeout_s)
+                target = self.route.target
+                resp = await target.call("Prefill", req, self.config.prefill_timeout_s)
             except UpstreamError as e:
                 if not await self._wait_out(e, recovery):
                     raise recovery.gave_up(e) if e.code in WAITABLE else e
                 continue
             self.prefills += 1
+            target.note_load(resp)
             return resp
 
     async def verify(self, tokens: list[int], parents: list[int], features_consumed: int = 0,
@@ -133,14 +139,34 @@ class TargetLink:
         recovery = Recovery(self.config)
         while True:
             try:
-                return await self.state.target.call("Verify", req, self.config.step_timeout_s)
+                resp = await self.route.target.call("Verify", req, self.config.step_timeout_s)
+                self.route.target.note_load(resp)
+                return resp
             except UpstreamError as e:
                 if e.code == grpc.StatusCode.INVALID_ARGUMENT and len(tokens) > 1:
                     raise ProposalRefused(e.upstream, e.method, e.code, e.details) from None
                 await self._recover(e, recovery)
 
     async def release(self) -> None:
-        await self.state.target.release(self.seq_id, self.config.release_timeout_s)
+        await self.route.target.release(self.seq_id, self.config.release_timeout_s)
+
+    def move(self, to: Upstream) -> None:
+        """The request leaves its target replica (down, draining, unlike the others or gone from
+        the list) for `to`, where the caller's next Prefill builds the sequence. The one left
+        is asked to release it, in the background (a dead one's lease frees it)."""
+        old = self.route.move_target(to)
+        log.info("request moves to target replica %s (from %s: %s)", to.address, old.address,
+                 old.status, extra=self.ids)
+        background.spawn(old.release(self.seq_id, self.config.release_timeout_s))
+        self.moved()
+
+    async def rebuild(self, recovery: Recovery | None = None) -> None:
+        """Prefills the committed context again (after a loss or a move); the draft holds (or
+        is fed) every committed position's features already: none are needed, so the target
+        may take all it has cached of the sequence's own pages."""
+        context = self.context()
+        await self.prefill(context.token_ids, context.num_generated, recovery,
+                           features_from=len(context.token_ids))
 
     async def _recover(self, e: UpstreamError, recovery: Recovery) -> None:
         """After a failed Verify: waits out what can be waited out and prefills the committed
@@ -157,11 +183,7 @@ class TargetLink:
         if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
             log.info("target lost the sequence (%s); prefilling it again", e.code.name,
                      extra=self.ids)
-        context = self.context()
-        # the draft holds (or is fed) every committed position's features already: none are
-        # needed, so the target may take all it has cached of the sequence's own pages
-        await self.prefill(context.token_ids, context.num_generated, recovery,
-                           features_from=len(context.token_ids))
+        await self.rebuild(recovery)
 
     async def _wait_out(self, e: UpstreamError, recovery: Recovery) -> bool:
         """True when the call may be sent again: the target is back (UNAVAILABLE), a backoff
@@ -173,9 +195,14 @@ class TargetLink:
         return e.code == grpc.StatusCode.NOT_FOUND and e.method == "Verify"
 
     async def _target_back(self, recovery: Recovery) -> bool:
-        """Waits (bounded) for the target to be SERVING and compatible again (a restart)."""
-        try:
-            await asyncio.wait_for(self.state.upstreams_event.wait(), recovery.upstream_left_s)
-        except asyncio.TimeoutError:
-            return False
-        return self.state.target.serving
+        """Waits (bounded) for a usable target replica: its own back (a restart), or another
+        one, where the request moves."""
+        while True:
+            if self.route.target.usable:
+                return True
+            if (other := self.state.target_for(self.route)) is not None:
+                self.move(other)
+                return True
+            if recovery.upstream_left_s <= 0:
+                return False
+            await self.state.wait_changed(recovery.upstream_left_s)

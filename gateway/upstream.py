@@ -100,6 +100,14 @@ class Upstream:
         self._probe: asyncio.Task | None = None
         self._unary: set[Any] = set()           # unary calls in flight (cut when it freezes)
         self._cut = ""                          # why the calls in flight were cut
+        # replicas (gateway/replicas.py, gateway/state.py): whether requests may use it now
+        # (SERVING and agreeing with its role's others), the requests placed on it, the load it
+        # reported last (common_pb2.EngineLoad), and whether it left the replica list
+        self.usable = False
+        self.placed = 0
+        self.load: common_pb2.EngineLoad | None = None
+        self._load_at = 0.0
+        self.retired = False
 
     def _opener(self, method: str) -> Callable[[], Any]:
         """Opens the method's call stream (with the internal token)."""
@@ -120,6 +128,24 @@ class Upstream:
         for stream in self.streams.values():
             await stream.close()
         await self.channel.close(grace=None)
+
+    def note_load(self, response: Any) -> None:
+        """A Prefill's or Verify's report of the replica's load."""
+        if response.HasField("load"):
+            self.load, self._load_at = response.load, time.monotonic()
+
+    @property
+    def load_age_s(self) -> float:
+        return time.monotonic() - self._load_at
+
+    def retire(self) -> None:
+        """Left the replica list: no longer watched, never serving again (its channel stays
+        open for the calls in flight until the set closes it)."""
+        self.retired = True
+        for task in (self._task, self._probe):
+            if task is not None:
+                task.cancel()
+        self._set(False, "removed from the replica list")
 
     def mark_failed(self, why: str) -> None:
         """A call failed with UNAVAILABLE: treat the upstream as down until its health stream

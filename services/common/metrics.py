@@ -54,6 +54,9 @@ FEATURE_PLANE_USAGE = Gauge("dflash_feature_plane_usage_ratio", "Fraction of the
                             "plane held by features a draft has not taken yet", L + ["service"])
 SEQUENCES = Gauge("dflash_sequences_active", "Sequences holding cache in this service",
                   L + ["service"])
+REPLICAS = Gauge("dflash_gateway_replicas", "Gateway: upstream replicas by role and state (usable "
+                 "| kept_out: serving but refused or unlike the others | down)",
+                 L + ["role", "state"])
 READY = Gauge("dflash_ready", "1 when the service reports SERVING", L + ["service"])
 RPC_TOTAL = Counter("dflash_rpc_requests", "RPCs handled by method and status code",
                     L + ["service", "method", "code"])
