@@ -174,6 +174,7 @@ class DraftLink:
                 if not self._on_error(e):
                     return NO_DRAFTS
                 continue
+            self.route.draft.note_load(resp)
             self.feed.sent()
             self._to(DraftState.SYNCED)
             # a draft that does not say: this request's own rows, and the round trip is timed

@@ -183,7 +183,9 @@ class GatewayState:
     # -- what requests read --------------------------------------------------------------------
     @property
     def target_caps(self) -> target_pb2.TargetCapabilities | None:
-        return self.target.capabilities
+        """The reference target replica's capabilities; while none is usable (a drain, a
+        restart), the role's identity: what requests in flight were admitted under."""
+        return self.target.capabilities if self.target is not None else self._target_identity
 
     @property
     def model_name(self) -> str:
@@ -438,11 +440,12 @@ class GatewayState:
 
 def _identity(current, accepted: list[Upstream], fields: tuple[str, ...]):
     """The capabilities a role's replicas must agree with: the current identity while an
-    accepted replica has it, else the first accepted one's (None: none)."""
-    if current is not None and any(not compat.replica_differs(current, u.capabilities, fields)
-                                   for u in accepted):
+    accepted replica has it or none is accepted (all down: they come back as they were), else
+    the first accepted one's."""
+    if not accepted or current is not None and any(
+            not compat.replica_differs(current, u.capabilities, fields) for u in accepted):
         return current
-    return accepted[0].capabilities if accepted else None
+    return accepted[0].capabilities
 
 
 def _usable(replicas: ReplicaSet | None) -> list[Upstream]:

@@ -244,6 +244,13 @@ def tp_cpu(d: dict) -> None:
     positive(*(r["decode_tokens_per_s"] for r in d["rows"]), *(r["verify16_ms"] for r in d["rows"]))
 
 
+def replicas_cpu(d: dict) -> None:
+    assert {(r["config"], r["mode"]) for r in d["rows"]} == {
+        (c, m) for c in ("1 replica", "2 replicas") for m in ("autoregressive", "speculative")}
+    assert d["identical_outputs"] and len(d["summary"]) == 2
+    positive(*(r["tokens_per_s"] for r in d["rows"]), *(s["speedup"] for s in d["summary"]))
+
+
 def train_step(d: dict) -> None:
     positive(d["seconds_per_step"], *d["train_seconds_of_runs"])
 
@@ -305,6 +312,7 @@ BENCHES = [
     Bench("scan_kernels_gpu", scan_kernels_gpu),
     Bench("simulated_tau", simulated_tau),
     Bench("smollm2_gpu", smollm2_gpu),
+    Bench("replicas_cpu", replicas_cpu, "## Gateway replicas (CPU)"),
     Bench("spec_load_cpu", spec_load_cpu, "## Speculation under load (CPU)"),
     Bench("structured_cpu", structured_cpu),
     Bench("target_cpu", target_cpu, "## Target service (CPU)", extra=("--threads", "1")),

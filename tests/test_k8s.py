@@ -84,8 +84,9 @@ def test_probes_ports_and_grace_agree_with_the_services(overlay):
         assert metrics["prometheus.io/scrape"] == "true"
         assert int(metrics["prometheus.io/port"]) in ports
     gateway = deployments["dflash-gateway"]["spec"]["template"]["spec"]["containers"][0]
-    assert flag(gateway["command"], "--target") == "dflash-target:50051"
-    assert flag(gateway["command"], "--draft") == "dflash-draft:50052"
+    # the gateway finds every replica behind the headless Services (gateway/replicas.py)
+    assert flag(gateway["command"], "--target") == "dns:dflash-target:50051"
+    assert flag(gateway["command"], "--draft") == "dns:dflash-draft:50052"
     assert {e["name"] for e in gateway["env"]} >= {"DFLASH_API_KEYS", "DFLASH_INTERNAL_TOKEN"}
 
 

@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from dflash.v1 import common_pb2
 from runtime import threads
 from services.common import metrics
 from services.common.engine_loop import EngineLoop, Work, settle
@@ -114,6 +115,10 @@ class SequenceEngine(ABC, Generic[S]):
     @abstractmethod
     def kv_usage(self) -> float:
         """Share of the KV pages in use."""
+
+    def load(self) -> common_pb2.EngineLoad:
+        """What the gateway places requests by (gateway/state.py), in every answer."""
+        return common_pb2.EngineLoad(sequences=len(self.seqs), kv_usage=self.kv_usage())
 
     def _publish_more(self) -> None:
         """Gauges of an engine's own (the target's recurrent state pool)."""

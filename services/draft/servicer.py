@@ -74,7 +74,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                          context_len=result.context_len,
                                          draft_parents=result.draft_parents,
                                          batch_rows=result.batch_rows,
-                                         batch_seconds=result.batch_seconds)
+                                         batch_seconds=result.batch_seconds,
+                                         load=engine.load())
 
     @rpc
     async def OpenSequence(self, request: draft_pb2.OpenSequenceRequest, context

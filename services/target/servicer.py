@@ -88,7 +88,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         return target_pb2.PrefillResponse(
             next_token=result.next_token, seq_len=result.seq_len, **_features(result.features),
             logprobs=_logprobs_pb(result.logprobs) if result.logprobs else None,
-            cached_tokens=result.cached_tokens, load=_load(engine))
+            cached_tokens=result.cached_tokens, load=engine.load())
 
     Verify, VerifyStream = call_stream.unary_and_stream("Verify", "verify",
                                                         target_pb2.VerifyStreamResponse)
@@ -116,7 +116,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             **_features(result.features),
             logprobs=[_logprobs_pb(lp) for lp in result.logprobs or ()],
             batch_tokens=result.batch_tokens, batch_seconds=result.batch_seconds,
-            queue_seconds=result.queue_seconds, load=_load(engine))
+            queue_seconds=result.queue_seconds, load=engine.load())
 
     @rpc
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
@@ -155,11 +155,6 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                            f"{sorted(engine.publisher.feeds) or 'none'}): it restarted since, or "
                            f"offers none (--feature-plane)")
         return feed
-
-
-def _load(engine: TargetEngine) -> common_pb2.EngineLoad:
-    """What the gateway places requests by (gateway/replicas.py)."""
-    return common_pb2.EngineLoad(sequences=len(engine.seqs), kv_usage=engine.kv_usage())
 
 
 def _features(features: Features) -> dict:

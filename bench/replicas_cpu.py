@@ -1,0 +1,186 @@
+"""python -m bench.replicas_cpu: one target replica against two behind one gateway, on this CPU.
+
+SmolLM2-135M-Instruct fp32 targets (`python -m services.target`): one replica computing with
+every core (OMP_NUM_THREADS = cores), and two replicas with half the cores each (at least one),
+each set behind its own gateway (`--target A` and `--target A,B`: each request placed on the
+least-loaded replica, gateway/replicas.py). Both autoregressive (no draft) and speculative (one
+shared draft with the shipped DFlash drafter, `--speculation auto`). At each concurrency the
+gateways take turns (--rounds times, the median kept) with the same greedy requests through
+their gRPC API; every output must equal the one-replica autoregressive output. The goal (issue
+37): two target replicas >= 1.7x one at 8 concurrent requests.
+
+Writes bench/results/replicas_cpu.json and the "Gateway replicas (CPU)" section of
+docs/benchmarks.md. --tiny: 2 requests at once, 6 tokens, 1 round (a smoke test; outputs to a
+temporary folder)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.adaptive_cpu import run as drive
+from bench.adaptive_cpu import wait_ready
+from bench.gateway_cpu import CHATS, COPY_TASKS, PREFIX_CACHING_OFF
+from bench.report import add_output_flags, machine, render_only, save
+from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
+
+SECTION = "## Gateway replicas (CPU)"
+CONFIGS = ("1 replica", "2 replicas")
+MODES = ("autoregressive", "speculative")
+REFERENCE = (CONFIGS[0], MODES[0])
+
+
+def _threads(replicas: int) -> str:
+    return str(max(1, (os.cpu_count() or 1) // replicas))
+
+
+def start_services(model: Path, logs: Path) -> tuple[dict[str, list], object]:
+    """The target replicas of each configuration, and the one shared draft."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support.draft_service import start_draft
+    from support.procs import start_target
+
+    from dflash.stack import SHIPPED_DRAFTER
+    targets = {"1 replica": [start_target(model, logs, *PREFIX_CACHING_OFF,
+                                          env={"OMP_NUM_THREADS": _threads(1)})],
+               "2 replicas": [start_target(model, logs, *PREFIX_CACHING_OFF,
+                                           env={"OMP_NUM_THREADS": _threads(2)})
+                              for _ in range(2)]}
+    draft = start_draft(model, logs, *PREFIX_CACHING_OFF, model_dir=SHIPPED_DRAFTER)
+    return targets, draft
+
+
+def start_gateways(model: Path, logs: Path, targets: dict[str, list], draft) -> dict:
+    from support.gateway_stack import start_gateway
+    gateways = {}
+    for config, procs in targets.items():
+        addresses = ",".join(p.address for p in procs)
+        gateways[config, MODES[0]] = start_gateway(addresses, model, logs, "--speculation", "1")
+        gateways[config, MODES[1]] = start_gateway(addresses, model, logs, draft=draft.address)
+    for gw in gateways.values():
+        wait_ready(gw.http_port)
+    return gateways
+
+
+def prompts(model: Path) -> list[list[int]]:
+    from runtime.tokenizer import ChatTokenizer
+    tok = ChatTokenizer(model)
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))
+            for t in [*CHATS, *COPY_TASKS]]
+
+
+def measure(args: argparse.Namespace, gateways: dict, chat: list[list[int]]) -> list[dict]:
+    rows, reference = [], {}
+    for gw in gateways.values():                                    # warm-up (auto learns)
+        asyncio.run(drive(gw.address, chat[:2], 2, args.tokens))
+    for c in args.levels:
+        batch = [chat[i % len(chat)] for i in range(max(c, args.min_requests))]
+        times: dict[tuple, list[float]] = {k: [] for k in gateways}
+        for r in range(args.rounds):
+            for key in list(gateways)[:: -1 if r % 2 else 1]:
+                outputs, seconds = asyncio.run(drive(gateways[key].address, batch, c,
+                                                     args.tokens))
+                if key == REFERENCE:            # round 0 runs it first
+                    reference[c] = outputs
+                elif outputs != reference[c]:
+                    raise AssertionError(f"{key} at {c} requests: output differs from one "
+                                         f"replica's autoregressive output")
+                times[key].append(seconds)
+        tokens = len(batch) * args.tokens
+        for (config, mode), ts in times.items():
+            rows.append({"config": config, "mode": mode, "concurrency": c,
+                         "requests": len(batch), "tokens": tokens,
+                         "seconds": [round(t, 3) for t in ts],
+                         "tokens_per_s": round(tokens / statistics.median(ts), 2)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def summary(rows: list[dict], levels: list[int]) -> list[dict]:
+    out = []
+    for c in levels:
+        for mode in MODES:
+            at = {r["config"]: r["tokens_per_s"] for r in rows
+                  if r["concurrency"] == c and r["mode"] == mode}
+            out.append({"concurrency": c, "mode": mode,
+                        "speedup": round(at[CONFIGS[1]] / at[CONFIGS[0]], 2)})
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    from dflash.prepare.smollm2 import prepare_smollm2
+    model = prepare_smollm2(["float32"], progress=False)["float32"]
+    chat = prompts(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(tmp)
+        targets, draft = start_services(model, logs)
+        gateways = {}
+        try:
+            gateways = start_gateways(model, logs, targets, draft)
+            rows = measure(args, gateways, chat)
+        finally:
+            for p in [*gateways.values(), draft, *(t for ts in targets.values() for t in ts)]:
+                p.stop()
+    return {"machine": machine(), "date": datetime.date.today().isoformat(),
+            "command": "python -m bench.replicas_cpu" + (" --tiny" if args.tiny else ""),
+            "threads": {c: int(_threads(i + 1)) for i, c in enumerate(CONFIGS)},
+            "max_tokens": args.tokens, "rounds": args.rounds, "rows": rows,
+            "summary": summary(rows, args.levels), "identical_outputs": True,
+            **(tiny_fields() if args.tiny else {})}
+
+
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    setup = (f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}; {r['date']}; "
+             f"`{r['command']}`. SmolLM2-135M-Instruct fp32 targets: one replica with "
+             f"{r['threads']['1 replica']} compute threads against two with "
+             f"{r['threads']['2 replicas']} each, behind one gateway each (autoregressive; "
+             f"speculative with one shared draft, the shipped drafter, `--speculation auto`); "
+             f"greedy requests of {r['max_tokens']} tokens (EOS ignored), output tokens/s, median "
+             f"of {r['rounds']} interleaved rounds; every output identical to one replica's "
+             f"autoregressive output.")
+    levels = sorted({row["concurrency"] for row in r["rows"]})
+    lines = [SECTION, "", setup, "",
+             "| configuration | " + " | ".join(f"{c} at once" for c in levels) + " |",
+             "|---|" + "---|" * len(levels)]
+    for mode in MODES:
+        for config in CONFIGS:
+            vals = {row["concurrency"]: row["tokens_per_s"] for row in r["rows"]
+                    if row["config"] == config and row["mode"] == mode}
+            lines.append(f"| {config}, {mode} | "
+                         + " | ".join(str(vals.get(c, "")) for c in levels) + " |")
+    lines += ["", "| at once | mode | 2 replicas / 1 (goal at 8: >= 1.7) |", "|---|---|---|"]
+    lines += [f"| {s['concurrency']} | {s['mode']} | {s['speedup']} |" for s in r["summary"]]
+    lines += ["", NOTES]
+    return "\n".join(lines) + "\n"
+
+
+NOTES = "Reading it: see the run's notes in the closing text of the session that ran it."
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--min-requests", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2)
+    add_output_flags(p, "replicas_cpu")
+    add_tiny_flag(p)
+    args = p.parse_args(argv)
+    if render_only(args, SECTION, markdown):
+        return
+    if args.tiny:
+        args.levels, args.tokens, args.min_requests, args.rounds = [2], 6, 2, 1
+        tiny_outputs(args, p, "replicas_cpu")
+    r = run(args)
+    save(r, Path(args.out), Path(args.doc), SECTION, markdown)
+    print(markdown(r))
+
+
+if __name__ == "__main__":
+    main()
