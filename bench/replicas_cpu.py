@@ -1,13 +1,16 @@
 """python -m bench.replicas_cpu: one target replica against two behind one gateway, on this CPU.
 
-SmolLM2-135M-Instruct fp32 targets (`python -m services.target`): one replica computing with
-every core (OMP_NUM_THREADS = cores), and two replicas with half the cores each (at least one),
-each set behind its own gateway (`--target A` and `--target A,B`: each request placed on the
-least-loaded replica, gateway/replicas.py). Both autoregressive (no draft) and speculative (one
-shared draft with the shipped DFlash drafter, `--speculation auto`). At each concurrency the
-gateways take turns (--rounds times, the median kept) with the same greedy requests through
-their gRPC API; every output must equal the one-replica autoregressive output. The goal (issue
-37): two target replicas >= 1.7x one at 8 concurrent requests.
+SmolLM2-135M-Instruct fp32 targets (`python -m services.target`) in two layouts: the host's
+cores shared (one replica computing with every core, two with half each: what a second replica
+buys on the same machine) and cores of their own (each replica pinned by taskset to
+--cores-per-replica cores of its own, as a replica on its own machine or pod would be: what
+scaling out buys). Each configuration's replicas sit behind their own gateway (`--target A` or
+`--target A,B`: each request placed on the least-loaded replica, gateway/replicas.py), both
+autoregressive (no draft) and speculative (one shared draft with the shipped DFlash drafter,
+`--speculation auto`). At each concurrency the gateways take turns (--rounds times, the median
+kept) with the same greedy requests through their gRPC API; every output must equal the
+one-replica autoregressive output. The goal (issue 37): two target replicas >= 1.7x one at 8
+concurrent requests.
 
 Writes bench/results/replicas_cpu.json and the "Gateway replicas (CPU)" section of
 docs/benchmarks.md. --tiny: 2 requests at once, 6 tokens, 1 round (a smoke test; outputs to a
@@ -30,27 +33,44 @@ from bench.report import add_output_flags, machine, render_only, save
 from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 
 SECTION = "## Gateway replicas (CPU)"
-CONFIGS = ("1 replica", "2 replicas")
 MODES = ("autoregressive", "speculative")
-REFERENCE = (CONFIGS[0], MODES[0])
+# how the replicas get their cores: "shared": the host's cores split between them (one replica
+# computes with all of them, two with half each); "own": every replica pinned to cores of its
+# own (taskset; --cores-per-replica each), as a replica on its own machine or pod would be
+LAYOUTS = ("shared", "own")
+REPLICAS = (1, 2)
 
 
-def _threads(replicas: int) -> str:
-    return str(max(1, (os.cpu_count() or 1) // replicas))
+def label(layout: str, replicas: int) -> str:
+    return f"{replicas} replica{'s' if replicas > 1 else ''} ({layout} cores)"
 
 
-def start_services(model: Path, logs: Path) -> tuple[dict[str, list], object]:
+REFERENCE = (label("shared", 1), MODES[0])
+
+
+def placements(cores: int, per_replica: int) -> dict[str, list[tuple[int, list[str]]]]:
+    """Each configuration's replicas: (compute threads, a command prefix pinning it)."""
+    out = {}
+    for n in REPLICAS:
+        out[label("shared", n)] = [(max(1, cores // n), [])] * n
+        if cores >= n * per_replica:
+            out[label("own", n)] = [
+                (per_replica, ["taskset", "-c", f"{i * per_replica}-{(i + 1) * per_replica - 1}"])
+                for i in range(n)]
+    return out
+
+
+def start_services(model: Path, logs: Path, per_replica: int) -> tuple[dict[str, list], object]:
     """The target replicas of each configuration, and the one shared draft."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from support.draft_service import start_draft
     from support.procs import start_target
 
     from dflash.stack import SHIPPED_DRAFTER
-    targets = {"1 replica": [start_target(model, logs, *PREFIX_CACHING_OFF,
-                                          env={"OMP_NUM_THREADS": _threads(1)})],
-               "2 replicas": [start_target(model, logs, *PREFIX_CACHING_OFF,
-                                           env={"OMP_NUM_THREADS": _threads(2)})
-                              for _ in range(2)]}
+    targets = {config: [start_target(model, logs, *PREFIX_CACHING_OFF, prefix=prefix,
+                                     env={"OMP_NUM_THREADS": str(threads)})
+                        for threads, prefix in replicas]
+               for config, replicas in placements(os.cpu_count() or 1, per_replica).items()}
     draft = start_draft(model, logs, *PREFIX_CACHING_OFF, model_dir=SHIPPED_DRAFTER)
     return targets, draft
 
@@ -107,8 +127,11 @@ def summary(rows: list[dict], levels: list[int]) -> list[dict]:
         for mode in MODES:
             at = {r["config"]: r["tokens_per_s"] for r in rows
                   if r["concurrency"] == c and r["mode"] == mode}
-            out.append({"concurrency": c, "mode": mode,
-                        "speedup": round(at[CONFIGS[1]] / at[CONFIGS[0]], 2)})
+            for layout in LAYOUTS:
+                one, two = at.get(label(layout, 1)), at.get(label(layout, 2))
+                if one and two:
+                    out.append({"concurrency": c, "mode": mode, "layout": layout,
+                                "speedup": round(two / one, 2)})
     return out
 
 
@@ -118,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
     chat = prompts(model)
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
-        targets, draft = start_services(model, logs)
+        targets, draft = start_services(model, logs, args.cores_per_replica)
         gateways = {}
         try:
             gateways = start_gateways(model, logs, targets, draft)
@@ -128,8 +151,10 @@ def run(args: argparse.Namespace) -> dict:
                 p.stop()
     return {"machine": machine(), "date": datetime.date.today().isoformat(),
             "command": "python -m bench.replicas_cpu" + (" --tiny" if args.tiny else ""),
-            "threads": {c: int(_threads(i + 1)) for i, c in enumerate(CONFIGS)},
-            "max_tokens": args.tokens, "rounds": args.rounds, "rows": rows,
+            "placements": {c: [{"threads": t, "pinned": " ".join(p)} for t, p in reps]
+                           for c, reps in placements(os.cpu_count() or 1,
+                                                     args.cores_per_replica).items()},
+            "cores_per_replica": args.cores_per_replica, "max_tokens": args.tokens, "rounds": args.rounds, "rows": rows,
             "summary": summary(rows, args.levels), "identical_outputs": True,
             **(tiny_fields() if args.tiny else {})}
 
@@ -137,25 +162,30 @@ def run(args: argparse.Namespace) -> dict:
 def markdown(r: dict) -> str:
     m = r["machine"]
     setup = (f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}; {r['date']}; "
-             f"`{r['command']}`. SmolLM2-135M-Instruct fp32 targets: one replica with "
-             f"{r['threads']['1 replica']} compute threads against two with "
-             f"{r['threads']['2 replicas']} each, behind one gateway each (autoregressive; "
-             f"speculative with one shared draft, the shipped drafter, `--speculation auto`); "
-             f"greedy requests of {r['max_tokens']} tokens (EOS ignored), output tokens/s, median "
-             f"of {r['rounds']} interleaved rounds; every output identical to one replica's "
-             f"autoregressive output.")
+             f"`{r['command']}`. SmolLM2-135M-Instruct fp32 targets behind one gateway per "
+             f"configuration (`--target A` or `--target A,B`): with the host's cores shared "
+             f"(one replica computing with all of them, two with half each) and with cores of "
+             f"their own (each replica pinned by taskset to its own {r['cores_per_replica']} "
+             f"core(s), as on its own machine); autoregressive, and speculative with one shared "
+             f"draft (the shipped drafter, `--speculation auto`). Greedy requests of "
+             f"{r['max_tokens']} tokens (EOS ignored), output tokens/s, median of {r['rounds']} "
+             f"interleaved rounds; every output identical to one replica's autoregressive "
+             f"output.")
     levels = sorted({row["concurrency"] for row in r["rows"]})
+    configs = list(dict.fromkeys(row["config"] for row in r["rows"]))
     lines = [SECTION, "", setup, "",
              "| configuration | " + " | ".join(f"{c} at once" for c in levels) + " |",
              "|---|" + "---|" * len(levels)]
     for mode in MODES:
-        for config in CONFIGS:
+        for config in configs:
             vals = {row["concurrency"]: row["tokens_per_s"] for row in r["rows"]
                     if row["config"] == config and row["mode"] == mode}
             lines.append(f"| {config}, {mode} | "
                          + " | ".join(str(vals.get(c, "")) for c in levels) + " |")
-    lines += ["", "| at once | mode | 2 replicas / 1 (goal at 8: >= 1.7) |", "|---|---|---|"]
-    lines += [f"| {s['concurrency']} | {s['mode']} | {s['speedup']} |" for s in r["summary"]]
+    lines += ["", "| at once | mode | cores | 2 replicas / 1 (goal at 8: >= 1.7) |",
+              "|---|---|---|---|"]
+    lines += [f"| {s['concurrency']} | {s['mode']} | {s['layout']} | {s['speedup']} |"
+              for s in r["summary"]]
     lines += ["", NOTES]
     return "\n".join(lines) + "\n"
 
@@ -169,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--cores-per-replica", type=int, default=1, help="cores each replica is "
+                   "pinned to in the 'own cores' layout (skipped where the host has too few)")
     add_output_flags(p, "replicas_cpu")
     add_tiny_flag(p)
     args = p.parse_args(argv)

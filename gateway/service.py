@@ -103,9 +103,12 @@ class GatewayService:
         try:
             await ticket.run()
             gen = Generation(self.state, req, arrival, self.admission, grammar)
-            async with contextlib.aclosing(gen.events()) as events:
-                async for event in events:
-                    yield event
+            try:
+                async with contextlib.aclosing(gen.events()) as events:
+                    async for event in events:
+                        yield event
+            finally:
+                gen.route.close()        # (also when its events never started)
         finally:
             ticket.close()
 

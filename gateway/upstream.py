@@ -141,7 +141,7 @@ class Upstream:
     def retire(self) -> None:
         """Left the replica list: no longer watched, never serving again (its channel stays
         open for the calls in flight until the set closes it)."""
-        self.retired = True
+        self.retired, self.usable = True, False
         for task in (self._task, self._probe):
             if task is not None:
                 task.cancel()

@@ -216,10 +216,17 @@ def test_a_replica_added_to_a_file_list_takes_new_requests(stack, smollm2_dir, t
             t.join(120)
         assert got == expected
         assert rpc_count(targets[1].metrics_port, "Prefill", "OK") - before >= 2
-        listing.write_text(f"{targets[1].address}\n")          # and one removed
-        wait_until(lambda: _replicas(gw, "target", "usable") == 1, timeout=20,
-                   what="the removed replica gone")
-        assert gw.generate(PROMPTS[0], 12)[0] == expected[0]
+        # one removed from the list while streams run on both: its streams move
+        long = [_alone(targets[0], p, 80) for p in PROMPTS[:4]]
+        got, started, threads = _streams(gw, PROMPTS[:4], 80, started=True)
+        for e in started:
+            assert e.wait(60), "streams never started"
+        listing.write_text(f"{targets[1].address}\n")
+        for t in threads:
+            t.join(120)
+        assert got == long
+        assert _replicas(gw, "target", "usable") == 1
+        assert f"(from {targets[0].address}: removed from the replica list)" in gw.log()
     finally:
         gw.stop()
 
@@ -231,7 +238,9 @@ def test_bad_replicas_are_kept_out_and_the_rest_serves(stack, smollm2_dir, tiny_
     silent = f"127.0.0.1:{free_port()}"                    # an address that never answers
     listing = tmp_path / "targets.txt"
     listing.write_text(f"{silent}\n{targets[0].address}\n")
-    gw = start_gateway(f"file:{listing},dns:no-such-host.invalid:1", smollm2_dir, logs,
+    port = targets[1].address.rsplit(":", 1)[1]            # and one found by its name
+    gw = start_gateway(f"file:{listing},dns:no-such-host.invalid:1,dns:localhost:{port}",
+                       smollm2_dir, logs,
                        "--resolve-interval", "0.3", "--speculation", "fixed",
                        draft=drafts[0].address)
     other = start_target(tiny_qwen3_dir, logs)             # a replica of another model joins
@@ -244,7 +253,8 @@ def test_bad_replicas_are_kept_out_and_the_rest_serves(stack, smollm2_dir, tiny_
         for t in threads:
             t.join(120)
         assert got == expected
-        assert _replicas(gw, "target", "usable") == 1 and _replicas(gw, "target", "down") == 1
+        assert _replicas(gw, "target", "usable") == 2          # (localhost may add ::1: down)
+        assert _replicas(gw, "target", "down") >= 1
         log = gw.log()
         assert f"target replica {other.address} kept out: it differs from the other target " \
                f"replicas: model_id" in log, log[-3000:]

@@ -87,12 +87,13 @@ def service_command(role: str, args: list[str], hooks: HookFlags) -> tuple[str, 
 
 
 def start_target(model_dir: str | Path, log_dir: Path, *extra: str, wait: bool = True,
-                 env: dict[str, str] | None = None, hooks: HookFlags = NO_HOOK_FLAGS
-                 ) -> ServiceProcess:
+                 env: dict[str, str] | None = None, hooks: HookFlags = NO_HOOK_FLAGS,
+                 prefix: list[str] | None = None) -> ServiceProcess:
+    """prefix: a command the target runs under (e.g. taskset)."""
     port = free_port()
     module, args = service_command("target", ["--model", str(model_dir), "--port", str(port),
                                               "--host", "127.0.0.1", *extra], hooks)
-    p = ServiceProcess(module, args, "dflash.v1.Target", port, log_dir, env).start()
+    p = ServiceProcess(module, args, "dflash.v1.Target", port, log_dir, env, prefix).start()
     return p.wait_serving() if wait else p
 
 
