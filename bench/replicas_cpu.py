@@ -190,7 +190,19 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-NOTES = "Reading it: see the run's notes in the closing text of the session that ran it."
+NOTES = """Reading it (session 36, AMD EPYC, 2 cores): the goal (two target replicas >= 1.7x one
+at 8 requests) is **not met** on this host, and cannot be: with two cores the host saturates at
+about 70 tokens/s at 8 requests in every layout that keeps both cores computing (one replica
+with 2 threads 70.3, two with 1 each 70.0, two pinned to a core each 68.5), so a second replica
+sharing the cores buys nothing (1.00x autoregressive, 0.92x speculative: the shared draft and
+the gateway then compete with two target processes). With a core of its own per replica, two
+replicas run 1.36-1.38x one - not 2x, because the one pinned replica leaves the second core to
+the gateway and the draft, which the two replicas then have to share. The outputs of every
+layout equal one replica's (and tests/test_replicas.py checks the spread: of 16 requests at
+once each replica takes at least 4). The goal needs a host with a core for the gateway and the draft besides the
+replicas' own (the GPU machine's 16 cores: `--cores-per-replica 4`; not lent this session). An
+earlier run the same day with the shared layout only (`bench/results/archive/
+replicas_cpu_shared_only_session36.json`): 1.07x autoregressive and 1.06x speculative at 8."""
 
 
 def main(argv: list[str] | None = None) -> None:
