@@ -9,8 +9,11 @@ from gateway.upstream import Upstream
 
 
 class Route:
-    def __init__(self, target: Upstream, draft: Upstream | None) -> None:
-        self.target, self.draft = target, draft
+    def __init__(self, target: Upstream, draft: Upstream | None, identity=None) -> None:
+        """identity: the target capabilities the request was admitted under (the role's
+        identity then): it may only move to a target replica that agrees with them - a
+        replica of another model would continue its output with other weights."""
+        self.target, self.draft, self.identity = target, draft, identity
         target.placed += 1
         if draft is not None:
             draft.placed += 1

@@ -150,23 +150,26 @@ class GatewayState:
         if self.drafts is not None:
             draft = (_least_loaded(_usable(self.drafts), prompt) or self.draft
                      or _first(self.drafts))
-        return Route(target, draft)
+        return Route(target, draft, self._target_identity)
 
     def target_for(self, route: Route) -> Upstream | None:
-        """A usable target replica to move to when the route's is not usable (None: stay)."""
-        if route.target.usable:
+        """A usable target replica to move to when the route's is not usable (None: stay):
+        one that agrees with what the request was admitted under (after the role's identity
+        changed - every replica of its model gone, another model's serving - it has none)."""
+        if route.target.usable and self.admits(route):
             return None
-        return self._other(self.targets, route.target)
+        return _least_loaded([u for u in _usable(self.targets) if u is not route.target
+                              and _agrees(u, route.identity, compat.TARGET_IDENTITY)], ())
+
+    def admits(self, route: Route) -> bool:
+        """The route's target replica serves what its request was admitted under."""
+        return _agrees(route.target, route.identity, compat.TARGET_IDENTITY)
 
     def draft_for(self, route: Route) -> Upstream | None:
-        """The same for the route's draft."""
+        """The same for the route's draft (any usable one: drafts change speed, not output)."""
         if self.drafts is None or route.draft is None or route.draft.usable:
             return None
-        return self._other(self.drafts, route.draft)
-
-    @staticmethod
-    def _other(replicas: ReplicaSet, current: Upstream) -> Upstream | None:
-        return _least_loaded([u for u in _usable(replicas) if u is not current], ())
+        return _least_loaded([u for u in _usable(self.drafts) if u is not route.draft], ())
 
     async def wait_changed(self, timeout: float) -> None:
         """Until the upstreams' state is evaluated again (or timeout)."""
@@ -442,10 +445,14 @@ def _identity(current, accepted: list[Upstream], fields: tuple[str, ...]):
     """The capabilities a role's replicas must agree with: the current identity while an
     accepted replica has it or none is accepted (all down: they come back as they were), else
     the first accepted one's."""
-    if not accepted or current is not None and any(
-            not compat.replica_differs(current, u.capabilities, fields) for u in accepted):
+    if not accepted or current is not None and any(_agrees(u, current, fields)
+                                                   for u in accepted):
         return current
     return accepted[0].capabilities
+
+
+def _agrees(up: Upstream, identity, fields: tuple[str, ...]) -> bool:
+    return identity is None or not compat.replica_differs(identity, up.capabilities, fields)
 
 
 def _usable(replicas: ReplicaSet | None) -> list[Upstream]:

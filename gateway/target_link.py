@@ -164,6 +164,12 @@ class TargetLink:
         """Prefills the committed context again (after a loss or a move); the draft holds (or
         is fed) every committed position's features already: none are needed, so the target
         may take all it has cached of the sequence's own pages."""
+        if self.route.target.capabilities is not None and not self.state.admits(self.route):
+            raise UpstreamError("target", "Prefill", grpc.StatusCode.UNAVAILABLE,
+                                f"the target replica at {self.route.target.address} serves "
+                                f"another model now ({self.route.target.capabilities.model_id!r}"
+                                f"), and no replica of the one this request began on is "
+                                f"usable: its output cannot go on with other weights")
         context = self.context()
         await self.prefill(context.token_ids, context.num_generated, recovery,
                            features_from=len(context.token_ids))
@@ -198,7 +204,7 @@ class TargetLink:
         """Waits (bounded) for a usable target replica: its own back (a restart), or another
         one, where the request moves."""
         while True:
-            if self.route.target.usable:
+            if self.route.target.usable and self.state.admits(self.route):
                 return True
             if (other := self.state.target_for(self.route)) is not None:
                 self.move(other)

@@ -295,3 +295,49 @@ def test_a_killed_target_a_drained_draft_and_a_drained_target_lose_no_stream(sta
     assert got == expected[:8]
     assert targets[1].proc.wait(60) == 0
     wait_until(lambda: _held(targets[0]) == 0, timeout=10, what="no sequence held")
+
+
+# -- the gateway's view of its replicas (no processes: capabilities set by hand) ------------------
+def _caps(model: str, tokenizer_hash: str) -> target_pb2.TargetCapabilities:
+    return target_pb2.TargetCapabilities(protocol_version=compat.PROTOCOL_VERSION, model_id=model,
+                                         vocab_size=100, max_context=64, max_block_size=4,
+                                         tokenizer_hash=tokenizer_hash)
+
+
+def test_the_first_usable_identity_sticks_and_requests_move_only_to_usable_replicas(smollm2_dir):
+    from gateway.state import GatewayState
+
+    async def run():
+        state = GatewayState(GatewayConfig(target="127.0.0.1:1,127.0.0.1:2,127.0.0.1:3",
+                                           tokenizer_dir=str(smollm2_dir)))
+        a, b, c = state.targets
+        h = state.tokenizer_hash
+
+        def serve(up, caps):
+            up.serving, up.capabilities = caps is not None, caps
+            state._recompute()
+
+        serve(b, _caps("m", h))                             # b first: its model is the role's
+        serve(a, _caps("other", h))
+        serve(c, _caps("m", h))
+        assert (a.usable, b.usable, c.usable) == (False, True, True) and state.ready
+        assert state.target is b
+        route = state.place([1, 2, 3])
+        assert route.target in (b, c) and route.target.placed == 1
+        assert state.target_for(route) is None              # its replica is fine: it stays
+        serve(route.target, None)                           # it goes down: another usable one
+        other = ({b, c} - {route.target}).pop()
+        assert state.target_for(route) is other
+        serve(other, None)          # none of its model left: the other model's takes over for
+        assert a.usable and state.ready and state.target_caps.model_id == "other"  # new requests
+        assert state.target_for(route) is None      # but this request may not move there
+        assert state.place([1]).target is a
+        serve(a, None)                              # all down: the identity stays
+        assert not state.ready and state.target_caps.model_id == "other"
+        serve(b, _caps("m", h))                     # m back, alone: the role's again, and the
+        assert b.usable and state.target_caps.model_id == "m"   # request may go on there
+        assert state.target_for(route) is (None if route.target is b else b)
+        route.close()
+        assert route.target.placed == 0
+        await state.close()
+    asyncio.run(run())
