@@ -87,7 +87,6 @@ class GatewayState:
         self.ready_once = False          # it was ready before: requests wait for upstreams to return
         self.closing = False             # SIGTERM: never ready again
         self.ready_event = asyncio.Event()
-        self.upstreams_event = asyncio.Event()   # upstreams usable (also while closing)
         self._changed = asyncio.Event()          # set (and replaced) on every re-evaluation
         self.policy = SpeculationPolicy()   # --speculation auto (gateway/speculation_policy.py)
         self._policy_caps: target_pb2.TargetCapabilities | None = None  # the caps it read
@@ -279,18 +278,15 @@ class GatewayState:
 
     def _evaluate(self) -> tuple[bool, str]:
         ready, reason = self._evaluate_upstreams()     # draft_ok stays right while closing
-        if ready:
-            self.upstreams_event.set()
-        else:
-            self.upstreams_event.clear()
         if self.closing:
             return False, "shutting down: requests in flight are finishing, new ones are refused"
         return ready, reason
 
     def _evaluate_upstreams(self) -> tuple[bool, str]:
         """Which target replicas are usable: SERVING, accepted, and agreeing with the role's
-        identity (the first usable one's; kept while a replica of it is usable, so a replica of
-        another model added later stays out rather than taking over); then the drafts."""
+        identity (the first accepted one's, kept while an accepted replica has it or none is
+        accepted: a replica of another model added later stays out rather than taking over);
+        then the drafts."""
         accepted = [t for t in self.targets if t.serving and t.capabilities is not None
                     and not compat.check_target(t.capabilities, self.tokenizer_hash)]
         self._target_identity = _identity(self._target_identity, accepted,
