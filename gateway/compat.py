@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from google.protobuf.message import Message
+
 from dflash.v1 import draft_pb2, target_pb2
 
 PROTOCOL_VERSION = 1
@@ -88,10 +90,13 @@ def replica_differs(reference, caps, fields: tuple[str, ...]) -> str:
 
 
 def _shown(value) -> str:
-    if hasattr(value, "ListFields"):            # a message: its set fields
+    """A capability's value in a log line: a message by its set fields, a repeated field as a
+    list, a scalar as itself."""
+    if isinstance(value, Message):
         return "{" + ", ".join(f"{f.name}={v!r}" for f, v in value.ListFields()) + "}"
-    return repr(list(value)) if hasattr(value, "__len__") and not isinstance(value, str) \
-        else repr(value)
+    if isinstance(value, (str, bytes, int, float, bool)):
+        return repr(value)
+    return repr(list(value))
 
 
 def _pair_problems(t: target_pb2.TargetCapabilities, d: draft_pb2.DraftCapabilities) -> list[str]:

@@ -5,11 +5,13 @@ on the new one through the links' rebuild paths. Each replica counts the request
 (Upstream.placed: the gateway's share of its load)."""
 from __future__ import annotations
 
+from dflash.v1 import target_pb2
 from gateway.upstream import Upstream
 
 
 class Route:
-    def __init__(self, target: Upstream, draft: Upstream | None, identity=None) -> None:
+    def __init__(self, target: Upstream, draft: Upstream | None,
+                 identity: target_pb2.TargetCapabilities | None = None) -> None:
         """identity: the target capabilities the request was admitted under (the role's
         identity then): it may only move to a target replica that agrees with them - a
         replica of another model would continue its output with other weights."""

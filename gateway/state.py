@@ -142,13 +142,12 @@ class GatewayState:
         reported holding (other gateways' too) when more; then its KV usage; then, as the hook
         for prefix-cache affinity, a hash of the prompt's first tokens (requests that share
         them prefer one replica when loads tie)."""
-        target = _least_loaded(_usable(self.targets), prompt) or self.target or _first(self.targets)
+        target = _least_loaded(_usable(self.targets), prompt) or _first(self.targets)
         if target is None:
             raise Unavailable(f"no target replica is known: {self.reason}")
         draft = None
         if self.drafts is not None:
-            draft = (_least_loaded(_usable(self.drafts), prompt) or self.draft
-                     or _first(self.drafts))
+            draft = _least_loaded(_usable(self.drafts), prompt) or _first(self.drafts)
         return Route(target, draft, self._target_identity)
 
     def target_for(self, route: Route) -> Upstream | None:
@@ -161,7 +160,11 @@ class GatewayState:
                               and _agrees(u, route.identity, compat.TARGET_IDENTITY)], ())
 
     def admits(self, route: Route) -> bool:
-        """The route's target replica serves what its request was admitted under."""
+        """The route's target replica serves what its request was admitted under (asked every
+        step: a usable replica agrees with the role's identity already, so only a request of an
+        older identity, or on an unusable replica, compares fields)."""
+        if route.identity is self._target_identity and route.target.usable:
+            return True
         return _agrees(route.target, route.identity, compat.TARGET_IDENTITY)
 
     def draft_for(self, route: Route) -> Upstream | None:

@@ -18,9 +18,10 @@ from support.draft_service import start_draft
 from support.gateway_stack import start_gateway, wait_until
 from support.procs import free_port, start_target
 from support.reliability import gauge
+from support.target_client import greedy_alone
 
 from dflash.make_draft import make_random_drafter
-from dflash.v1 import common_pb2, gateway_pb2, target_pb2, target_pb2_grpc
+from dflash.v1 import common_pb2, gateway_pb2
 
 pytestmark = pytest.mark.slow
 
@@ -44,20 +45,6 @@ def stack(tiny_llama_02_dir, smollm2_dir, tmp_path_factory):
     yield target, draft, gateways
     for p in (*gateways, draft, target):
         p.stop()
-
-
-def _alone(target, prompt: list[int], n: int) -> list[int]:
-    """The target's own greedy continuation (no gateway, no drafts)."""
-    with grpc.insecure_channel(target.address) as channel:
-        t = target_pb2_grpc.TargetStub(channel)
-        out = [t.Prefill(target_pb2.PrefillRequest(sequence_id="alone", token_ids=prompt),
-                         timeout=60).next_token]
-        while len(out) < n:
-            out += list(t.Verify(target_pb2.VerifyRequest(sequence_id="alone",
-                                                          token_ids=[out[-1]]),
-                                 timeout=60).committed_tokens)
-        t.Release(common_pb2.ReleaseRequest(sequence_id="alone"), timeout=30)
-    return out[:n]
 
 
 def _stream(gw, prompt: list[int], into: list, started: threading.Event | None = None,
@@ -88,7 +75,7 @@ def _sequences_held(target) -> float:
 
 def test_streams_through_two_gateways_equal_the_target_alone(stack):
     target, _, gateways = stack
-    expected = [_alone(target, p, TOKENS) for p in PROMPTS]
+    expected = [greedy_alone(target.address, p, TOKENS) for p in PROMPTS]
     got = {(g, i): [] for g in range(2) for i in range(len(PROMPTS))}
     for t in _run([(gateways[g], PROMPTS[i], got[g, i]) for g, i in got]):
         t.join(180)
@@ -99,7 +86,7 @@ def test_streams_through_two_gateways_equal_the_target_alone(stack):
 
 def test_a_gateway_killed_mid_stream_takes_only_its_own_streams(stack):
     target, _, (victim, survivor) = stack
-    expected = [_alone(target, p, TOKENS) for p in PROMPTS]
+    expected = [greedy_alone(target.address, p, TOKENS) for p in PROMPTS]
     lost, kept = [[] for _ in PROMPTS], [[] for _ in PROMPTS]
     started = [threading.Event() for _ in PROMPTS]
     threads = _run([(victim, p, lost[i], started[i], 900) for i, p in enumerate(PROMPTS)]

@@ -10,18 +10,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 
-import grpc
 import pytest
 from support.draft_service import start_draft
 from support.gateway_stack import start_gateway, wait_until
 from support.procs import free_port, start_target
 from support.prom import scrape
-from support.reliability import gauge, rpc_count
+from support.reliability import Streams, gauge, request, rpc_count
+from support.target_client import greedy_alone
 
 from dflash.make_draft import make_random_drafter
-from dflash.v1 import common_pb2, gateway_pb2, target_pb2, target_pb2_grpc
+from dflash.v1 import common_pb2, target_pb2
 from gateway import compat
 from gateway.config import GatewayConfig
 from gateway.replicas import ResolveError, Source, parse_sources, resolve
@@ -132,42 +131,14 @@ def stack(tiny_llama_02_dir, smollm2_dir, tmp_path_factory):
         p.stop()
 
 
-def _alone(target, prompt: list[int], n: int) -> list[int]:
-    """The target's own greedy continuation (no gateway, no drafts)."""
-    with grpc.insecure_channel(target.address) as channel:
-        t = target_pb2_grpc.TargetStub(channel)
-        out = [t.Prefill(target_pb2.PrefillRequest(sequence_id="alone", token_ids=prompt),
-                         timeout=60).next_token]
-        while len(out) < n:
-            out += list(t.Verify(target_pb2.VerifyRequest(sequence_id="alone",
-                                                          token_ids=[out[-1]]),
-                                 timeout=60).committed_tokens)
-        t.Release(common_pb2.ReleaseRequest(sequence_id="alone"), timeout=30)
-    return out[:n]
+def _streams(gw, prompts, tokens: int) -> Streams:
+    """Greedy streams of the prompts, all at once (support/reliability.py)."""
+    return Streams(gw.stub, [request(p, tokens) for p in prompts]).start()
 
 
-def _stream(gw, prompt: list[int], into: list, tokens: int,
-            started: threading.Event | None = None) -> None:
-    req = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt),
-                                      max_tokens=tokens, ignore_eos=True,
-                                      sampling=common_pb2.SamplingParams(temperature=0))
-    try:
-        for r in gw.stub.Generate(req, timeout=300):
-            into.extend(r.token_ids)
-            if started is not None and len(into) >= 4:
-                started.set()
-    except grpc.RpcError as e:
-        into.append(e.code())
-
-
-def _streams(gw, prompts, tokens: int, started: bool = False):
-    got = [[] for _ in prompts]
-    events = [threading.Event() for _ in prompts] if started else [None] * len(prompts)
-    threads = [threading.Thread(target=_stream, args=(gw, p, got[i], tokens, events[i]))
-               for i, p in enumerate(prompts)]
-    for t in threads:
-        t.start()
-    return got, events, threads
+def _tokens(streams: Streams, timeout: float = 300) -> list:
+    """Each stream's tokens once all ended (a failed one: its error)."""
+    return [r.error or r.tokens for r in streams.join(timeout)]
 
 
 def _held(service) -> float:
@@ -182,12 +153,9 @@ def _replicas(gw, role: str, state: str) -> float:
 @pytest.mark.slow
 def test_streams_spread_over_the_replicas_and_equal_the_target_alone(stack):
     targets, drafts, gw, _ = stack
-    expected = [_alone(targets[0], p, TOKENS) for p in PROMPTS]
+    expected = [greedy_alone(targets[0].address, p, TOKENS) for p in PROMPTS]
     before = [rpc_count(t.metrics_port, "Prefill", "OK") for t in targets]
-    got, _, threads = _streams(gw, PROMPTS, TOKENS)
-    for t in threads:
-        t.join(300)
-    assert got == expected
+    assert _tokens(_streams(gw, PROMPTS, TOKENS)) == expected
     placed = [rpc_count(t.metrics_port, "Prefill", "OK") - b for t, b in zip(targets, before)]
     assert min(placed) >= 4, placed          # 16 requests at once: both replicas take a share
     proposed = [rpc_count(d.metrics_port, "Propose", "OK") for d in drafts]
@@ -210,21 +178,15 @@ def test_a_replica_added_to_a_file_list_takes_new_requests(stack, smollm2_dir, t
         wait_until(lambda: _replicas(gw, "target", "usable") == 2, timeout=20,
                    what="the added replica usable")
         before = rpc_count(targets[1].metrics_port, "Prefill", "OK")
-        expected = [_alone(targets[0], p, 12) for p in PROMPTS[:6]]
-        got, _, threads = _streams(gw, PROMPTS[:6], 12)
-        for t in threads:
-            t.join(120)
-        assert got == expected
+        expected = [greedy_alone(targets[0].address, p, 12) for p in PROMPTS[:6]]
+        assert _tokens(_streams(gw, PROMPTS[:6], 12), 120) == expected
         assert rpc_count(targets[1].metrics_port, "Prefill", "OK") - before >= 2
         # one removed from the list while streams run on both: its streams move
-        long = [_alone(targets[0], p, 80) for p in PROMPTS[:4]]
-        got, started, threads = _streams(gw, PROMPTS[:4], 80, started=True)
-        for e in started:
-            assert e.wait(60), "streams never started"
+        long = [greedy_alone(targets[0].address, p, 80) for p in PROMPTS[:4]]
+        streams = _streams(gw, PROMPTS[:4], 80)
+        streams.wait_tokens(4)
         listing.write_text(f"{targets[1].address}\n")
-        for t in threads:
-            t.join(120)
-        assert got == long
+        assert _tokens(streams, 120) == long
         assert _replicas(gw, "target", "usable") == 1
         assert f"(from {targets[0].address}: removed from the replica list)" in gw.log()
     finally:
@@ -248,11 +210,8 @@ def test_bad_replicas_are_kept_out_and_the_rest_serves(stack, smollm2_dir, tiny_
         listing.write_text(f"{silent}\n{targets[0].address}\n{other.address}\n")
         wait_until(lambda: _replicas(gw, "target", "kept_out") == 1, timeout=30,
                    what="the other model's replica kept out")
-        expected = [_alone(targets[0], p, 12) for p in PROMPTS[:4]]
-        got, _, threads = _streams(gw, PROMPTS[:4], 12)
-        for t in threads:
-            t.join(120)
-        assert got == expected
+        expected = [greedy_alone(targets[0].address, p, 12) for p in PROMPTS[:4]]
+        assert _tokens(_streams(gw, PROMPTS[:4], 12), 120) == expected
         assert _replicas(gw, "target", "usable") == 2          # (localhost may add ::1: down)
         assert _replicas(gw, "target", "down") >= 1
         log = gw.log()
@@ -268,16 +227,13 @@ def test_bad_replicas_are_kept_out_and_the_rest_serves(stack, smollm2_dir, tiny_
 def test_a_killed_target_a_drained_draft_and_a_drained_target_lose_no_stream(stack):
     targets, drafts, gw, _ = stack
     tokens = 160
-    expected = [_alone(targets[0], p, tokens) for p in PROMPTS]
-    got, started, threads = _streams(gw, PROMPTS, tokens, started=True)
-    for e in started:
-        assert e.wait(120), "streams never started"
+    expected = [greedy_alone(targets[0].address, p, tokens) for p in PROMPTS]
+    streams = _streams(gw, PROMPTS, tokens)
+    streams.wait_tokens(4, 120)
     os.kill(targets[0].proc.pid, signal.SIGKILL)           # one target dies ...
     targets[0].proc.wait(10)
     drafts[1].proc.send_signal(signal.SIGTERM)             # ... and one draft drains
-    for t in threads:
-        t.join(300)
-    assert got == expected
+    assert _tokens(streams) == expected
     assert drafts[1].proc.wait(60) == 0                    # it drained: its requests moved
     for s in (targets[1], drafts[0]):
         wait_until(lambda s=s: _held(s) == 0, timeout=10, what="no sequence held")
@@ -286,13 +242,10 @@ def test_a_killed_target_a_drained_draft_and_a_drained_target_lose_no_stream(sta
     targets[0].start().wait_serving()
     wait_until(lambda: _replicas(gw, "target", "usable") == 2, timeout=30,
                what="the restarted target usable")
-    got, started, threads = _streams(gw, PROMPTS[:8], tokens, started=True)
-    for e in started:
-        assert e.wait(120), "streams never started"
+    streams = _streams(gw, PROMPTS[:8], tokens)
+    streams.wait_tokens(4, 120)
     targets[1].proc.send_signal(signal.SIGTERM)
-    for t in threads:
-        t.join(300)
-    assert got == expected[:8]
+    assert _tokens(streams) == expected[:8]
     assert targets[1].proc.wait(60) == 0
     wait_until(lambda: _held(targets[0]) == 0, timeout=10, what="no sequence held")
 

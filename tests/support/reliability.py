@@ -134,10 +134,13 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
 
 
 # -- concurrent streams -------------------------------------------------------------------------
-def request(prompt: str, max_tokens: int, **fields) -> gateway_pb2.GenerateRequest:
-    """Greedy, EOS ignored (always max_tokens tokens), the tokenizer's text prompt."""
+def request(prompt: str | list[int], max_tokens: int, **fields) -> gateway_pb2.GenerateRequest:
+    """Greedy, EOS ignored (always max_tokens tokens); a text prompt (the tokenizer's) or
+    token ids."""
+    given = ({"text": prompt} if isinstance(prompt, str)
+             else {"token_ids": gateway_pb2.TokenIds(ids=prompt)})
     return gateway_pb2.GenerateRequest(
-        text=prompt, max_tokens=max_tokens, ignore_eos=True,
+        **given, max_tokens=max_tokens, ignore_eos=True,
         sampling=fields.pop("sampling", common_pb2.SamplingParams(temperature=0.0)), **fields)
 
 

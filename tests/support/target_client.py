@@ -52,6 +52,15 @@ class TargetClient:
         return out
 
 
+def greedy_alone(address: str, prompt: list[int], n: int) -> list[int]:
+    """The target's own greedy continuation of `prompt` (no gateway, no drafts): n tokens."""
+    client = TargetClient(address)
+    try:
+        return client.greedy("alone", prompt, n)
+    finally:
+        client.close()
+
+
 def rpc_error(fn: Callable[[], Any]) -> grpc.RpcError:
     """Runs fn, which must fail with an RpcError; returns it."""
     try:
