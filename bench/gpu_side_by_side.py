@@ -228,22 +228,19 @@ def service_profile(stack: GpuStack, prompts: list[list[int]], max_tokens: int, 
     """py-spy on the three processes (bench/host_profile.py) while requests run `concurrency`
     at a time for `seconds`: where each process's host time goes."""
     from bench import host_profile
-    if host_profile.available() is None:           # the rows are kept; the profile is skipped
-        return {"error": "py-spy is not installed (pip install py-spy)"}
     address = f"127.0.0.1:{stack.gateways[wire][0]}"
     gateway = "gateway" if wire == stack.wires[0] else f"gateway-{wire}"   # the wire's own
     pids = {"gateway" if c.name == gateway else c.name: c.proc.pid for c in stack.stack.children
             if c.name in ("target", "draft", gateway)}
-    recs = host_profile.start(pids, seconds, out)
-    t0, tokens, i = time.monotonic(), 0, 0
-    while time.monotonic() - t0 < seconds + 0.5:
-        batch = [prompts[(i + k) % len(prompts)] for k in range(concurrency)]
-        tokens += asyncio.run(drive(address, batch, concurrency, max_tokens))[0]
-        i += concurrency
-    elapsed = time.monotonic() - t0
-    return {"wire": wire, "seconds": seconds, "concurrency": concurrency, "requests": i,
-            "tokens_per_s": round(tokens / elapsed, 1),
-            "processes": host_profile.finish(recs, seconds)}
+
+    def run_once(i: int) -> int:
+        batch = [prompts[(i * concurrency + k) % len(prompts)] for k in range(concurrency)]
+        return asyncio.run(drive(address, batch, concurrency, max_tokens))[0]
+
+    result = host_profile.while_driving(pids, seconds, out, run_once)
+    if "rounds" in result:
+        result["requests"] = result.pop("rounds") * concurrency
+    return {"wire": wire, "concurrency": concurrency, **result}
 
 
 def service_ttft(stack: GpuStack, prompt: list[int], wire: str) -> dict:

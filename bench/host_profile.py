@@ -15,7 +15,9 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +78,23 @@ def finish(recs: list[Recording], seconds: float, top: int = 25) -> dict:
             continue
         result[rec.name] = summarize(rec.path.read_text(), seconds, PHASES.get(rec.name, ()), top)
     return result
+
+
+def while_driving(pids: dict[str, int], seconds: float, out: Path,
+                  run_once: Callable[[int], int]) -> dict:
+    """Samples the processes for `seconds` while run_once(i) (the i-th round of requests; it
+    returns the tokens it produced) runs again and again: tokens/s while profiled, the rounds,
+    and each process's summary (or, without py-spy, the error; the caller's rows are kept)."""
+    if available() is None:
+        return {"error": "py-spy is not installed (pip install py-spy)"}
+    recs = start(pids, seconds, out)
+    t0, tokens, rounds = time.monotonic(), 0, 0
+    while time.monotonic() - t0 < seconds + 0.5:
+        tokens += run_once(rounds)
+        rounds += 1
+    elapsed = time.monotonic() - t0
+    return {"seconds": seconds, "rounds": rounds, "tokens_per_s": round(tokens / elapsed, 1),
+            "processes": finish(recs, seconds)}
 
 
 def parse(text: str) -> list[tuple[list[str], int]]:

@@ -26,10 +26,12 @@ from bench.tiny import NO_CUDA, add_tiny_flag, tiny_fields, tiny_outputs
 
 
 def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir: Path,
-                   levels: tuple[int, ...] = (), **options) -> dict:
+                   levels: tuple[int, ...] = (), profile_seconds: float = 0, **options) -> dict:
     """One request at a time through the gateway's gRPC API (streamed; the GPU image has no
     `openai` package), greedy, prefill included; then, per concurrency level c in `levels`,
-    2c requests of the same prompts with c in flight (EOS ignored: max_tokens each)."""
+    2c requests of the same prompts with c in flight (EOS ignored: max_tokens each); then, with
+    profile_seconds, py-spy on the three processes while requests run one at a time
+    (bench/host_profile.py: where the host time of a step goes)."""
     runs, outputs, loaded = [], [], []
     tag = "-".join([drafter, *(str(v) for v in options.values() if v)]).replace("/", "_")
     with Services(drafter, log_dir / f"e2e-{tag}", **options) as svc:
@@ -49,7 +51,19 @@ def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir:
                            "seconds": round(seconds, 3), "tokens_per_s": round(produced / seconds, 1)})
             print(json.dumps({"drafter": tag, **loaded[-1]}), flush=True)
         travel = svc.features_travel()
-    return {"runs": runs, "output_ids": outputs, "concurrency": loaded, "features_travel": travel}
+        profile = (host_profile(svc, address, ids, max_tokens, profile_seconds, log_dir / tag)
+                   if profile_seconds else None)
+    return {"runs": runs, "output_ids": outputs, "concurrency": loaded, "features_travel": travel,
+            **({"host_profile": profile} if profile else {})}
+
+
+def host_profile(svc: Services, address: str, ids: list[list[int]], max_tokens: int,
+                 seconds: float, out: Path) -> dict:
+    from bench import host_profile as hp
+    pids = {c.name: c.proc.pid for c in svc.stack.children
+            if c.name in ("target", "draft", "gateway")}
+    return hp.while_driving(pids, seconds, out, lambda i: asyncio.run(
+        drive(address, [ids[i % len(ids)]], 1, max_tokens))[0])
 
 
 def prompts(n: int) -> tuple[list[str], list[str]]:
@@ -91,6 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", nargs="*", type=int, default=[],
                     help="also run each of our stacks with this many requests in flight (2c "
                          "requests per level)")
+    ap.add_argument("--profile-seconds", type=float, default=0,
+                    help="after each of our stacks' runs, py-spy its three processes for this "
+                         "long while requests run one at a time (bench/host_profile.py)")
     ap.add_argument("--no-transformers", action="store_true",
                     help="only our two stacks (e.g. to rerun them with another drafter)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp") + "/smollm2_gpu.json")
@@ -119,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         for spec in args.systems:
             label, drafter, more = system_options(spec)
             r = grpc_stack_run(drafter, ids, args.max_tokens, Path(tmp), tuple(args.concurrency),
-                               **options, **more)
+                               args.profile_seconds, **options, **more)
             result["systems"][label] = r
             print(json.dumps({label: summary(r["runs"], kinds)}), flush=True)
             out.write_text(json.dumps(result) + "\n")          # partial results survive a timeout
