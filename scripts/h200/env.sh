@@ -11,6 +11,7 @@ if [ ! -f /tmp/site/.installed ]; then
   touch /tmp/site/.installed
 fi
 export PYTHONPATH=/tmp/site:$PWD
+export PATH=/tmp/site/bin:$PATH     # py-spy (wheels_profile.txt), when staged
 export PYTHONUNBUFFERED=1
 export DFLASH_HOME=/root/dflash-home
 export FLASHINFER_WORKSPACE_BASE=/root/fi-cache

@@ -3,18 +3,20 @@
 # stages what an H200 machine without a registry needs, in git-ignored folders that a device call
 # carries (each call carries at most 64 MiB, the working tree included):
 #   .whl/        the pinned wheels of scripts/h200/wheels.txt (and wheels_flashinfer.txt with
-#                --flashinfer, wheels_fla.txt with --fla), Python 3.12 manylinux x86_64
+#                --flashinfer, wheels_fla.txt with --fla, wheels_profile.txt with --profile),
+#                Python 3.12 manylinux x86_64
 #   .gpu_model/  the SmolLM2 GGUF in parts of --part-mib MiB (default 24) and SHA256SUMS: one
 #                part per call (`cp .gpu_model/* /tmp/` there), then scripts/h200/assemble_smollm2.sh
 #   .gpu_tok/    SmolLM2's tokenizer (the benchmarks with random weights need only this)
 # Every call also carries dflash/v1: the generated protocol code is git-ignored (`make proto`).
-# Usage: bash scripts/h200/stage.sh [--flashinfer] [--fla] [--part-mib N]
+# Usage: bash scripts/h200/stage.sh [--flashinfer] [--fla] [--profile] [--part-mib N]
 set -euo pipefail
-flashinfer=0; fla=0; part_mib=24
+flashinfer=0; fla=0; profile=0; part_mib=24
 while [ $# -gt 0 ]; do
   case "$1" in
     --flashinfer) flashinfer=1 ;;
     --fla) fla=1 ;;
+    --profile) profile=1 ;;
     --part-mib) part_mib="$2"; shift ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -31,6 +33,7 @@ done
 
 lists=(scripts/h200/wheels.txt); [ $flashinfer = 1 ] && lists+=(scripts/h200/wheels_flashinfer.txt)
 [ $fla = 1 ] && lists+=(scripts/h200/wheels_fla.txt)
+[ $profile = 1 ] && lists+=(scripts/h200/wheels_profile.txt)
 rm -rf .whl && mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
