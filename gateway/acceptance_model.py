@@ -61,8 +61,7 @@ class ServiceAcceptance:
         self.by_shape.setdefault(shape, DepthCounts()).observe(depth, accepted, SERVICE_DECAY)
 
     def p(self, shape: str | int, d: int) -> float:
-        acc, tried = self.by_shape.get(shape, DepthCounts()).counts(d)
-        return (acc + PRIOR_WEIGHT * PRIOR_P) / (tried + PRIOR_WEIGHT)
+        return _service_p(self.by_shape.get(shape), d)
 
     def depth(self, shape: str | int) -> int:
         counts = self.by_shape.get(shape)
@@ -86,18 +85,19 @@ class AcceptanceModel:
         self.service.observe(shape, depth, accepted)
 
     def p(self, shape: str | int, d: int) -> float:
-        acc, tried = self.own.get(shape, DepthCounts()).counts(d)
-        return (acc + REQUEST_WEIGHT * self.service.p(shape, d)) / (tried + REQUEST_WEIGHT)
+        return _request_p(self.own.get(shape), self.service.by_shape.get(shape), d)
 
     def expected(self, shape: str | int, depth: int) -> float:
         """E(depth): expected committed tokens of a step whose drafts reach `depth`."""
         return self.expected_by_depth(shape, depth)[depth]
 
     def expected_by_depth(self, shape: str | int, depth: int) -> list[float]:
-        """[E(0), E(1), .., E(depth)] in one pass."""
+        """[E(0), E(1), .., E(depth)] in one pass (the gateway asks for every running request's
+        chain and trees at every step: the counts are looked up once per shape)."""
+        own, service = self.own.get(shape), self.service.by_shape.get(shape)
         out, reach = [1.0], 1.0
         for d in range(1, depth + 1):
-            reach *= self.p(shape, d)
+            reach *= _request_p(own, service, d)
             out.append(out[-1] + reach)
         return out
 
@@ -106,3 +106,13 @@ class AcceptanceModel:
         own = self.own.get(nodes)
         return (own.depth if own is not None and own.depth else None) or \
             self.service.depth(nodes) or default
+
+
+def _service_p(counts: DepthCounts | None, d: int) -> float:
+    acc, tried = counts.counts(d) if counts is not None else (0.0, 0.0)
+    return (acc + PRIOR_WEIGHT * PRIOR_P) / (tried + PRIOR_WEIGHT)
+
+
+def _request_p(own: DepthCounts | None, service: DepthCounts | None, d: int) -> float:
+    acc, tried = own.counts(d) if own is not None else (0.0, 0.0)
+    return (acc + REQUEST_WEIGHT * _service_p(service, d)) / (tried + REQUEST_WEIGHT)

@@ -171,11 +171,21 @@ class CostModel:
         # a Propose's round trip beyond its forward: serving's last few (a median, see
         # propose_overhead_s)
         self._propose_overheads: deque[float] = deque(maxlen=PROPOSE_WINDOW)
-        self.overhead_s = 0.0
+        self._propose_overhead: float | None = None     # their median, until either changes
+        self._overhead_s = 0.0
 
     @property
     def known(self) -> bool:
         return self.chains.known
+
+    @property
+    def overhead_s(self) -> float:
+        """A Verify's round trip beyond its queue and forward: a moving average."""
+        return self._overhead_s
+
+    @overhead_s.setter
+    def overhead_s(self, value: float) -> None:
+        self._overhead_s, self._propose_overhead = value, None   # it stands in for Proposes
 
     @property
     def propose_overhead_s(self) -> float:
@@ -185,9 +195,11 @@ class CostModel:
         its 19 ms forward on the EPYC (first use of the stream and the plane) - priced every
         drafting shape 2-4x too dear, and auto stopped drafting for good: a Propose never ran
         again to correct it."""
-        seen = list(self._propose_overheads)
-        prior = [self.overhead_s] * max(0, OVERHEAD_PRIOR - len(seen))
-        return statistics.median(seen + prior) if seen or prior else 0.0
+        if self._propose_overhead is None:      # read for every option of every step
+            seen = list(self._propose_overheads)
+            prior = [self.overhead_s] * max(0, OVERHEAD_PRIOR - len(seen))
+            self._propose_overhead = statistics.median(seen + prior) if seen or prior else 0.0
+        return self._propose_overhead
 
     # -- reading -------------------------------------------------------------------------------
     def verify_s(self, tokens: int, tree: bool = False) -> float:
@@ -289,6 +301,7 @@ class CostModel:
         requests kept auto from drafting at one, where it won."""
         if forward_s > 0:
             self._propose_overheads.append(max(0.0, wall_s - forward_s))
+            self._propose_overhead = None
         line = self._line(tree, busy, pricing=False)
         line.observe(rows, forward_s if forward_s > 0 else wall_s)
         for a, b in ((self.chain_proposes, self.tree_proposes),

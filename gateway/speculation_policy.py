@@ -193,9 +193,10 @@ class SpeculationPolicy:
         size = max(running, len(self._running))
         self._since += 1
         if size != self._batch_size or self._since >= size:
-            new = _view(self.model(), limits)        # the undecided: the service's prior
-            self._batch = self._decide_batch(list(self._running.values())
-                                             + [new] * (size - len(self._running)))
+            models = list(self._running.values())
+            if size > len(models):                   # the undecided: the service's prior
+                models += [_view(self.model(), limits)] * (size - len(models))
+            self._batch = self._decide_batch(models)
             self._batch_size, self._since = size, 0
         return fit(self._batch, limits)
 
@@ -251,16 +252,18 @@ class SpeculationPolicy:
     def _batch_option(self, shape: Shape, models: list[_Running]) -> Option:
         """The batch's committed tokens and verify rows when every request runs `shape` (chains
         padded as the target pads them)."""
-        own = [fit(shape, m.limits) for m in models]
-        each = [m.trees[o.drafts] if o.tree else m.chain[o.drafts] for m, o in zip(models, own)]
-        tokens = [o.tokens for o in own]
+        expected, tokens, blocks, appended = 0, [], 0, 0    # one pass: every option, every step
+        for m in models:
+            own = fit(shape, m.limits)
+            e = m.trees[own.drafts] if own.tree else m.chain[own.drafts]
+            expected += e
+            tokens.append(own.tokens)
+            # a tree's Propose runs the whole block (its depth + 1), a chain's its own tokens,
+            # after the context it appends
+            blocks += m.limits.tree_depth + 1 if own.tree else own.tokens
+            appended += appended_rows(m.limits, e)
         rows = sum(tokens) if shape.tree else self.cost.chain_rows(tokens)
-        # a tree's Propose runs the whole block (its depth + 1), a chain's its own tokens,
-        # after the context it appends
-        blocks = sum(m.limits.tree_depth + 1 if o.tree else o.tokens
-                     for m, o in zip(models, own))
-        appended = sum(appended_rows(m.limits, e) for m, e in zip(models, each))
-        return Option(shape, sum(each), rows, len(models), appended + blocks)
+        return Option(shape, expected, rows, len(models), appended + blocks)
 
     def observe(self, acceptance: AcceptanceModel, shape: Shape, depth: int, accepted: int
                 ) -> None:

@@ -3,7 +3,8 @@
 
 Each size runs through the engine as the service will run it (the scheduler, the batch plan,
 the forward, acceptance, the commit): one sequence verifies a block of T tokens up to the
-largest block, and T / max_block sequences verify full blocks together above it. Two passes,
+largest chain block (chain_block: the largest captured graph's on a GPU), and T / that block
+sequences verify full blocks together above it. Two passes,
 up the sizes and (after the trees) back down, and a point is the faster of its two forwards
 (the second pass as far as the budget allows; on a GPU the up pass runs each size once
 untimed first, as a shape's first run compiles kernels or replays a graph the first time):
@@ -51,9 +52,10 @@ ROOM = 256                              # most positions a calibration sequence 
 
 
 def plan(worker: TargetWorker) -> list[tuple[int, int]]:
-    """(sequences, block) per size: one sequence up to the largest block, then full blocks of
-    several; within the token budget, the KV pool and the context."""
-    max_b = worker.config.max_block_size
+    """(sequences, block) per size: one sequence up to the largest block serving runs as one
+    sequence's chain (chain_block), then full blocks of several; within the token budget, the
+    KV pool and the context."""
+    max_b = chain_block(worker)
     pages = worker.kv_cache.usable_pages * worker.config.page_size
     out = []
     for t in SIZES:
@@ -62,7 +64,8 @@ def plan(worker: TargetWorker) -> list[tuple[int, int]]:
         if (seqs * block > worker.config.token_budget or not fits_pages
                 or PROMPT + REPEATS * block > min(ROOM, worker.facts.max_context)):
             break
-        out.append((seqs, block))
+        if (seqs, block) not in out:             # 24 and 32 tokens: both two blocks of 16
+            out.append((seqs, block))
     return out
 
 
@@ -150,6 +153,18 @@ async def _verify(engine: TargetEngine, worker: TargetWorker, ids: list[str], bl
         if r.batch_tokens:
             points[r.batch_tokens] = min(points.get(r.batch_tokens, float("inf")),
                                          r.batch_seconds)
+
+
+def chain_block(worker: TargetWorker) -> int:
+    """The longest chain block a sequence verifies as serving runs it: with captured graphs,
+    their largest chain size (a DFlash chain is at most the draft's block; the target pads
+    shorter ones to a captured size, and a batch of several sequences runs as one graph), else
+    --max-block-size. Calibrating 24 or 32 tokens as one sequence's block on a GPU timed an
+    eager forward (11.8 ms for SmolLM2 on an H100, against 1.4 ms for the 16 of a graph) that
+    serving never runs for a chain, and priced every batch of two drafting requests by it:
+    auto stopped drafting at 2 requests and more."""
+    blocks = [b for b in worker.padded_blocks if b > 1]     # graphs of chains, not decode's
+    return min(max(blocks, default=worker.config.max_block_size), worker.config.max_block_size)
 
 
 def _estimate(points: dict[int, float], tokens: int) -> float:
