@@ -209,9 +209,10 @@ class GatewayState:
 
     def speculation_policy(self) -> SpeculationPolicy | None:
         """--speculation auto's policy on the target's cost curve; None = fixed speculation
-        (configured so, or the target reports no curve: warned once per target)."""
+        (configured so, or the target reports no curve: warned once per target), and no
+        decisions at all without a draft (each step's would be the same: no drafting)."""
         caps = self.target_caps
-        if not self.config.auto_speculation or caps is None:
+        if not self.config.auto_speculation or caps is None or self.drafts is None:
             return None
         if caps is not self._policy_caps:           # new capabilities (a target (re)start)
             self._policy_caps = caps
