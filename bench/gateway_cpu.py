@@ -371,16 +371,20 @@ def stack_system(spec: str, log_dir: Path) -> tuple[str, StackClient]:
 
 
 def system_options(spec: str) -> tuple[str, str, dict]:
-    """'DRAFTER[:DRAFT_DTYPE][,tree=N][,block=B]' (e.g. dflash:float32, dflash,tree=15,block=16)
-    -> (its label, the drafter, its further StackOptions)."""
+    """'DRAFTER[:DRAFT_DTYPE][,tree=N][,block=B][,speculation=S]' (e.g. dflash:float32,
+    dflash,tree=15,block=16, dflash,tree=15,speculation=fixed) -> (its label, the drafter, its
+    further StackOptions)."""
     head, *opts = spec.split(",")
     drafter, _, dtype = head.partition(":")
     extra = dict(o.split("=", 1) for o in opts)
     tree, block = int(extra.get("tree", 0)), int(extra.get("block", 0))
+    speculation = extra.get("speculation", "")
     label = (f"dflash up --drafter {drafter}" + (f" --draft-dtype {dtype}" if dtype else "")
              + (f" --spec-tree-nodes {tree}" if tree else "")
-             + (f" --block-size {block}" if block else ""))
-    return label, drafter, {"draft_dtype": dtype, "spec_tree_nodes": tree, "block_size": block}
+             + (f" --block-size {block}" if block else "")
+             + (f" --speculation {speculation}" if speculation else ""))
+    return label, drafter, {"draft_dtype": dtype, "spec_tree_nodes": tree, "block_size": block,
+                            **({"speculation": speculation} if speculation else {})}
 
 
 def median_run(rounds: list[dict]) -> dict:
