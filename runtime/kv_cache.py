@@ -266,9 +266,13 @@ class PagedKVCache:
 
     def copy_positions(self, table: PageTable, src: list[int], dst: list[int]) -> None:
         """K/V of positions src[i] -> positions dst[i], every layer (a verified tree's accepted
-        path moved into place). All sources are read before any destination is written."""
-        s = torch.tensor(self.slots_of(table, src), device=self.k.device)
-        d = torch.tensor(self.slots_of(table, dst), device=self.k.device)
+        path moved into place). All sources are read before any destination is written. Pairs
+        already in place are skipped; the slots go to the device in one copy."""
+        pairs = [(a, b) for a, b in zip(self.slots_of(table, src), self.slots_of(table, dst))
+                 if a != b]
+        if not pairs:
+            return
+        s, d = torch.tensor(pairs, device=self.k.device).T
         for pool in (self.k, self.v):
             raw = _raw(pool)
             raw[:, d] = raw[:, s]

@@ -2,6 +2,7 @@
 drafts) and the draft's bidirectional block, one kernel launch per layer for the whole batch."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 
@@ -16,12 +17,14 @@ def _next_pow2(n: int) -> int:
 
 def mask_bits(mask: torch.Tensor | None, q_len: int, width: int) -> torch.Tensor:
     """bool [q, q] (None: causal) -> int64 [q, width]: bit j of word j // 32 set where row i
-    sees new token j (the kernel's TREE input)."""
+    sees new token j (the kernel's TREE input). Packed by numpy on the host (every tree verify
+    asks, on its critical path)."""
     if mask is None:
         mask = torch.ones(q_len, q_len, dtype=torch.bool).tril()
-    padded = torch.zeros(q_len, width * 32, dtype=torch.int64)
-    padded[:, :q_len] = mask.to(torch.int64)
-    return (padded.view(q_len, width, 32) << torch.arange(32)).sum(-1)
+    packed = np.packbits(mask.cpu().numpy(), axis=1, bitorder="little")   # uint8 [q, q / 8]
+    words = np.zeros((q_len, width * 4), dtype=np.uint8)
+    words[:, : packed.shape[1]] = packed
+    return torch.from_numpy(words.view("<u4").astype(np.int64))
 
 
 def tree_bits(meta: AttentionMetadata) -> torch.Tensor:
