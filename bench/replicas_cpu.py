@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
             for p in [*gateways.values(), draft, *(t for ts in targets.values() for t in ts)]:
                 p.stop()
     return {"machine": machine(), "date": datetime.date.today().isoformat(),
-            "command": "python -m bench.replicas_cpu" + (" --tiny" if args.tiny else ""),
+            "command": " ".join(["python -m bench.replicas_cpu", *sys.argv[1:]]),
             "placements": {c: [{"threads": t, "pinned": " ".join(p)} for t, p in reps]
                            for c, reps in placements(os.cpu_count() or 1,
                                                      args.cores_per_replica).items()},

@@ -47,6 +47,7 @@ MAX_WEIGHT = 50.0                       # a point's weight in the fit stops grow
 UNOBSERVED_WEIGHT = 0.1                 # warm-up points' weight once one proved wrong
 PLAUSIBLE = (0.2, 5.0)                  # serving / warm-up time ratios a curve's scale explains
 OVERHEAD_PRIOR = 3                      # pseudo-points of the Verify overhead in the Propose one
+DOMINATED = 2.0                         # a tree size dearer than this x a bigger one's: eager
 
 
 @dataclass
@@ -91,6 +92,14 @@ class VerifyCurve:
             return _extrapolate(fit, tokens)
         (t0, s0), (t1, s1) = fit[i - 1], fit[i]
         return max(0.0, s0 + (s1 - s0) * (tokens - t0) / (t1 - t0))
+
+    def dominated(self, tokens: int) -> bool:
+        """The point at `tokens` costs over DOMINATED times a bigger size's: that size has a
+        CUDA graph and this one runs eagerly (on an H200 a tree of 7 took 22.8 ms, one of 15
+        1.6): never worth running."""
+        p = self._points.get(tokens)
+        return p is not None and any(t > tokens and q.seconds * DOMINATED < p.seconds
+                                     for t, q in self._points.items())
 
     def runs(self, tokens: int) -> int:
         """How many of serving's forwards of exactly `tokens` rows this curve has seen."""
@@ -202,17 +211,22 @@ class CostModel:
         return self._propose_overhead
 
     # -- reading -------------------------------------------------------------------------------
-    def verify_s(self, tokens: int, tree: bool = False) -> float:
-        """Forward time of a verify batch of `tokens` tokens (0 when unknown). Trees past their
-        curve's last point (the warm-up measures one tree of each size; serving adds the batches
-        it runs): that point plus what the further rows cost chains."""
+    def verify_s(self, tokens: int, tree: bool = False, unit: int = 0) -> float:
+        """Forward time of a verify batch of `tokens` tokens (0 when unknown). Trees: the tree
+        curve holds one tree per size (its own kernels and graph: a tree's cost is its size's,
+        not its rows'), so a batch of trees of `unit` rows each is that size's point plus what
+        the further rows cost chains (and past the curve's last size, the last one's). Priced
+        by its rows instead, two trees of 7 (16 rows, eager) read the graph-captured tree of
+        15's 1.6 ms, and auto ran them at 22.8 ms a step."""
         if not (tree and self.trees.known):
             return self.chains.seconds(tokens)
-        last = self.trees.last
-        if tokens <= last:
-            return self.trees.seconds(tokens)
-        return self.trees.seconds(last) + max(0.0, self.chains.seconds(tokens)
-                                              - self.chains.seconds(last))
+        anchor = min(unit or tokens, tokens, self.trees.last)
+        return self.trees.seconds(anchor) + max(0.0, self.chains.seconds(tokens)
+                                                - self.chains.seconds(anchor))
+
+    def tree_dominated(self, nodes: int) -> bool:
+        """A tree of `nodes` drafts costs far more than a bigger one (VerifyCurve.dominated)."""
+        return self.trees.dominated(nodes + 1)
 
     def verify_runs(self, tokens: int, tree: bool = False) -> int:
         """How many verifies of `tokens` rows serving has timed (of trees, when trees have
@@ -257,24 +271,26 @@ class CostModel:
                 else self.tree_proposes if tree else self.chain_proposes)
 
     def step_s(self, batch_tokens: int, drafts: bool, tree: bool = False,
-               propose_rows: float = 0.0, busy: bool = False) -> float:
-        """One step of a batch: its verify of batch_tokens, plus a Propose if it drafts (a
-        draft forward of `propose_rows`: in steady state, what a step commits plus the
-        blocks; busy: a batch of several requests), plus the overhead."""
+               propose_rows: float = 0.0, busy: bool = False, unit: int = 0) -> float:
+        """One step of a batch: its verify of batch_tokens (trees of `unit` rows each), plus a
+        Propose if it drafts (a draft forward of `propose_rows`: in steady state, what a step
+        commits plus the blocks; busy: a batch of several requests), plus the overhead."""
         return (self.overhead_s
                 + (self.propose_cost(propose_rows, tree, busy) if drafts else 0.0)
-                + self.verify_s(batch_tokens, tree))
+                + self.verify_s(batch_tokens, tree, unit))
 
     # -- learning ------------------------------------------------------------------------------
     def observe_verify(self, batch_tokens: int, batch_seconds: float, wall_s: float,
-                       queue_s: float = 0.0, tree: bool = False) -> None:
+                       queue_s: float = 0.0, tree: bool = False, unit: int = 0) -> None:
         """A Verify (of a tree or a chain) answered after wall_s; it waited queue_s in the
         target's engine (for the batches before it: the others' load, which the batch model
         counts already), and its forward ran batch_tokens in batch_seconds (0 / 0: a target
-        that does not report it)."""
+        that does not report it). A tree of `unit` rows teaches the tree curve only when it
+        ran alone (its points are one tree each; a batch's rows would land on another size's)."""
         if batch_tokens > 0 and batch_seconds > 0:
-            curve = self.trees if tree and self.trees.known else self.chains
-            curve.observe(batch_tokens, batch_seconds)
+            trees = tree and self.trees.known
+            if not (trees and unit and batch_tokens != unit):
+                (self.trees if trees else self.chains).observe(batch_tokens, batch_seconds)
             self.overhead_s = _average(self.overhead_s,
                                        max(0.0, wall_s - queue_s - batch_seconds))
 

@@ -206,7 +206,8 @@ class Generation:
                 policy.observe_chain_in_tree(self.acceptance, drafts,
                                              list(resp.committed_tokens))
         policy.cost.observe_verify(resp.batch_tokens, resp.batch_seconds, verify_s,
-                                   resp.queue_seconds, tree=not drafts.is_chain)
+                                   resp.queue_seconds, tree=not drafts.is_chain,
+                                   unit=0 if drafts.is_chain else len(drafts.tokens) + 1)
         if propose_s is not None and drafts.tokens:     # by the rows of its forward
             rows, forward_s = self.draft.last_forward
             policy.cost.observe_propose(propose_s, rows, not drafts.is_chain, forward_s,

@@ -110,7 +110,7 @@ def _runner_up(ranked: list[Option]) -> Option:
 def step_s(o: Option, cost: CostModel) -> float:
     """An option's step: the Proposes of its requests run as one draft forward."""
     return cost.step_s(o.tokens, o.shape.drafts > 0, o.shape.tree, o.propose_rows,
-                       busy=o.requests > 1)
+                       busy=o.requests > 1, unit=o.shape.tokens if o.shape.tree else 0)
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,8 @@ class SpeculationPolicy:
         """The shape with the most committed tokens per second for the whole batch."""
         longest = max(m.limits.max_chain for m in models)
         shapes = [Shape(k) for k in range(longest + 1)]
-        shapes += [Shape(n, True) for n in TREE_SIZES if any(n in m.trees for m in models)]
+        shapes += [Shape(n, True) for n in TREE_SIZES if any(n in m.trees for m in models)
+                   and not self.cost.tree_dominated(n)]        # eager beside a bigger graph
         options = [self._batch_option(s, models) for s in shapes]
         ranked = rank(options, self.cost)
         best = ranked[0]

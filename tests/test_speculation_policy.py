@@ -327,6 +327,34 @@ def test_tree_costs_are_read_as_measured_and_grow_with_rows_past_them():
     assert c.verify_s(32 * 64, tree=True) > 0.015
 
 
+
+def test_a_batch_of_trees_costs_its_tree_size_not_its_rows():
+    """The H200 of session 37: two trees of 7 drafts (16 rows) were priced at the tree of 15's
+    graph (1.6 ms) and ran eagerly at 22.8 ms a step - auto at 2 requests fell to 0.45x not
+    drafting. A batch of trees is its size's point plus the further rows at chain rates; a tree
+    size dearer than twice a bigger one (no CUDA graph) is never chosen; and only a tree that ran
+    alone teaches the tree curve (a batch's rows would land on another size's point)."""
+    chains = [(1, 0.0013), (16, 0.0014), (64, 0.003), (512, 0.015)]
+    c = CostModel(chains, [(8, 0.0228), (16, 0.0016), (64, 0.0018)])
+    assert c.verify_s(16, tree=True, unit=8) == pytest.approx(0.0228 + c.verify_s(16)
+                                                              - c.verify_s(8))
+    assert c.verify_s(128, tree=True, unit=64) == pytest.approx(0.0018 + c.verify_s(128)
+                                                                - c.verify_s(64))
+    assert c.tree_dominated(7) and not c.tree_dominated(15) and not c.tree_dominated(63)
+    c.observe_verify(16, 0.0228, 0.024, tree=True, unit=8)        # two trees of 7
+    assert c.verify_s(16, tree=True) == pytest.approx(0.0016)
+    c.observe_verify(16, 0.0017, 0.002, tree=True, unit=16)       # one tree of 15
+    assert c.verify_s(16, tree=True) > 0.0016
+    policy = SpeculationPolicy(chains, [(8, 0.0228), (16, 0.0016), (64, 0.0018)])
+    policy.cost.propose_s = 0.0005
+    limits = Limits(max_chain=15, max_tree=63, tree_depth=15)
+    models = [policy.model() for _ in range(2)]
+    shapes = {policy.decide(f"r{i}", m, limits, running=2) for _ in range(20)
+              for i, m in enumerate(models)}
+    assert Shape(7, tree=True) not in shapes
+    cpu = CostModel(chains, [(8, 0.010), (16, 0.018), (64, 0.060)])  # trees grow with size
+    assert not any(cpu.tree_dominated(n) for n in (7, 15, 63))
+
 def _simulate(policy: SpeculationPolicy, steps: int) -> list[Shape]:
     """Two requests whose drafts are mostly accepted, on a GPU-like target whose true verify
     time grows slowly with rows; the policy learns from what each step it chose would cost."""
