@@ -267,33 +267,44 @@ Start-up: the target's verify cost calibration is bounded by `--cost-calibration
 s), on top of the CPU GEMM calibration (1.2-1.3 s on this EPYC); the draft's Propose curve adds
 0.4 s."""
 
-GPU_NOTES = """Reading it: a miss, and worse than the first GPU run (0.88, 0.85, 0.91, 1.06, 0.73,
-0.72 with per-request shapes). This run (commit bd474d7) chooses one shape per batch and prices chains by their
-padded rows, but its cost model was wrong on this GPU in two ways that the histogram shows (no
-drafting at 2 and 8 requests, trees at 16 and 32), both found in this run's gateway log: (1) the
-warm-up curve had 15-20 ms for every batch of two or more sequences (1.3-1.4 ms for one), where
-the fixed chains' rates imply a few ms - first runs of those shapes; serving never ran them once
-auto stopped drafting, so nothing corrected them; (2) the tree curve was pooled into one
-non-decreasing fit across tree sizes (a tree of 7 without a CUDA graph: 24 ms; trees of 15 and
-63 with: 1.5-1.7 ms), and batches of trees past its last point were priced flat. Fixed after
-this run and not yet measured here (the session's device time was spent): the warm-up runs each
-size once untimed on a GPU, trees are read as measured and grow with rows at chain rates. An
-earlier run of this session, before the Propose estimate became a steady-state median (one slow
-first Propose had stuck at tens of ms), gave 0.84, 0.89, 0.66, 0.79, 0.80, 0.74."""
+GPU_NOTES = """Reading it (session 37, at 88921f8; an H200): a miss - 0.94x the best fixed shape at one
+request, 0.90x at 4, 0.35-0.77x at 2, 8, 16 and 32, below autoregressive at 2, 8, 16 and 32.
+What this run fixed, and what it showed, both from its gateway log (`--keep-logs`;
+`bench/results/gpu/session37/logs/h200_gateway_auto.log.gz`):
+
+- **Fixed before it: the chain calibration.** The run of the same session on an H100 before
+  the fix (`bench/results/gpu/session37/adaptive_gpu_h100_before.json`: 0.73, 0.88, 0.89, 0.71,
+  0.82, 0.69 of the best; auto hardly drafted at 2 requests and more) had a warm-up curve of
+  1.4 ms for 16 tokens and 11.8 ms for every size from 24 up: the target calibrated 24, 32 and
+  64 tokens as ONE sequence's block (`--max-block-size` 32), which has no CUDA graph and ran
+  eagerly, while serving runs two drafting requests' chains as one captured graph of 2 x 16.
+  Now the calibration runs sizes above the largest captured chain block as several sequences of
+  that block (`services/target/cost_calibration.py: chain_block`), and this run's curve reads
+  1.45 ms at 16, 1.57 at 32, 1.83 at 128, 2.41 at 512.
+- **Found by it, fixed after it (not measured on a GPU: the session's device time was spent):
+  batches of trees.** The tree curve holds one tree per size (7: 22.8 ms, eager; 15: 1.6 ms and
+  63: 1.8 ms, captured), but a batch of trees was priced by its rows: two trees of 7 (16 rows)
+  read the tree of 15's 1.6 ms and ran at 22.8 ms a step - auto chose them at 2, 16 and 32
+  requests (the histogram's trees of 8 and 40-64 verify tokens). Now a batch of trees costs its
+  size's point plus the further rows at chain rates, a tree size dearer than twice a bigger one
+  (no CUDA graph) is never chosen, and only a tree verified alone teaches the tree curve
+  (`gateway/cost_model.py`, tests in `tests/test_speculation_policy.py`).
+
+Earlier GPU runs (SmolLM2, auto / best fixed at 1, 2, 4, 8, 16, 32): session 35 at bd474d7 (an
+H200) 0.90, 0.81, 0.69, 0.85, 0.64, 0.48 (`bench/results/archive/adaptive_gpu_h200_session35.json`);
+before it 0.88, 0.85, 0.91, 1.06, 0.73, 0.72 and 0.84, 0.89, 0.66, 0.79, 0.80, 0.74."""
 
 
-SHAPE_NOTES = """Reading it: auto is at or above autoregressive everywhere (2.2-3.5x) and chooses chains of
-about 15 tokens at every load, the best fixed shapes' neighbourhood: with the target padding
-chains to its captured block of 16 (and the draft running its captured block and cutting), a
-chain of 12 costs what one of 16 does and commits about 1 % less under this profile. The goal
-(>= 0.95x the best fixed) is met at 2, 16 and 32 requests and missed at 1, 4 and 8 (0.86-0.93),
-within this one-round run's spread: chain 12 and chain 16 should be within 1 % of each other
-and differ by up to 10 % between levels. Measured at commit ee68ebd (before the steady-state
-Propose median, the tree reading and the GPU calibration's untimed first runs). Two earlier runs
-of this session: before the draft ran shorter chains at its captured block (they ran eagerly:
-chain 12 at 0.79x chain 16 at 4 requests) auto reached 0.83-1.00x; with that fixed but chains
-priced by their own tokens rather than the padded rows, auto chose chains of 2 tokens at 32
-requests (0.40x)."""
+SHAPE_NOTES = """Reading it (session 37, at 03023bf - before the chain calibration fix; an H100): auto is at or above
+autoregressive everywhere (2.4-3.9x) and chooses chains of about 14 tokens at every load, the
+best fixed shapes' neighbourhood. The goal (>= 0.95x the best fixed) is met at 1, 2, 16 and 32
+requests (0.98, 0.99, 0.96, 1.04) and missed at 4 and 8 (0.92, 0.84), within this one-round
+run's spread: chain 12 and chain 16 should be within 1 % of each other (the target pads both
+to its captured block of 16) and differ by up to 10 % between levels. This shape's chains
+calibrate as one sequence up to 16 tokens and as the warm-up's eager 24 and 32 above - at c = 1
+the same price as after the fix, and at higher loads auto kept drafting anyway (its acceptance
+profile makes drafting win by 2-4x). The run of session 35 on an H200 (at ee68ebd):
+0.93, 0.97, 0.93, 0.86, 0.97, 1.05 (`bench/results/archive/adaptive_gpu_qwen3_h200_session35.json`)."""
 
 
 def plot(r: dict, out: Path) -> None:
