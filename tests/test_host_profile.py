@@ -31,3 +31,13 @@ def test_summary_shares_and_busy_time():
     assert s["inclusive_pct"]["engine.py:_run"] == 90.0       # both engine stacks
     assert s["threads"] == {"threading.py:_bootstrap": 90.0, "<frozen runpy>:_run_module_as_main": 10.0}
     assert s["phases_pct"] == {"engine.py:_run": 90.0, "worker.py:forward": 30.0}
+
+
+def test_while_driving_keeps_the_rows_without_py_spy(monkeypatch, tmp_path):
+    """Without py-spy the profile is an error entry and nothing is driven (the caller's rows
+    stay); with it, the requests run until the recording ends."""
+    from bench import host_profile
+    monkeypatch.setattr(host_profile, "available", lambda: None)
+    ran = []
+    result = host_profile.while_driving({"target": 1}, 0.1, tmp_path, lambda i: ran.append(i) or 1)
+    assert "py-spy" in result["error"] and ran == []
