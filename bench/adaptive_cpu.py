@@ -35,7 +35,7 @@ from pathlib import Path
 import grpc
 
 from bench.gateway_cpu import CHATS, COPY_TASKS, Services
-from bench.report import add_output_flags, machine, render_only, save
+from bench.report import add_output_flags, machine, save, write_section
 from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.ports import free_port
@@ -351,7 +351,9 @@ def main(argv: list[str] | None = None) -> None:
     add_tiny_flag(p)
     args = p.parse_args(argv)
     tiny_outputs(args, p, "adaptive_cpu")
-    if render_only(args, section_for(args.device, args.shape), markdown):
+    if args.render_only:            # the section the JSON's run belongs to, whatever the flags
+        r = json.loads(Path(args.out).read_text())
+        write_section(Path(args.doc), section(r), markdown(r))
         return
     levels = tuple(int(x) for x in args.levels.split(","))
     chains = tuple(int(x) for x in args.chains.split(",") if x)
