@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
             for p in [*gateways.values(), draft, *(t for ts in targets.values() for t in ts)]:
                 p.stop()
     return {"machine": machine(), "date": datetime.date.today().isoformat(),
-            "command": " ".join(["python -m bench.replicas_cpu", *sys.argv[1:]]),
+            "command": " ".join(["python -m bench.replicas_cpu", *args.argv]),
             "placements": {c: [{"threads": t, "pinned": " ".join(p)} for t, p in reps]
                            for c, reps in placements(os.cpu_count() or 1,
                                                      args.cores_per_replica).items()},
@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     add_output_flags(p, "replicas_cpu")
     add_tiny_flag(p)
     args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv       # the command the JSON records
     if render_only(args, SECTION, markdown):
         return
     if args.tiny:

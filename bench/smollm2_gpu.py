@@ -51,14 +51,15 @@ def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir:
                            "seconds": round(seconds, 3), "tokens_per_s": round(produced / seconds, 1)})
             print(json.dumps({"drafter": tag, **loaded[-1]}), flush=True)
         travel = svc.features_travel()
-        profile = (host_profile(svc, address, ids, max_tokens, profile_seconds, log_dir / tag)
+        profile = (profile_stack(svc, address, ids, max_tokens, profile_seconds, log_dir / tag)
                    if profile_seconds else None)
     return {"runs": runs, "output_ids": outputs, "concurrency": loaded, "features_travel": travel,
             **({"host_profile": profile} if profile else {})}
 
 
-def host_profile(svc: Services, address: str, ids: list[list[int]], max_tokens: int,
-                 seconds: float, out: Path) -> dict:
+def profile_stack(svc: Services, address: str, ids: list[list[int]], max_tokens: int,
+                  seconds: float, out: Path) -> dict:
+    """py-spy on the stack's three processes while its prompts run one at a time."""
     from bench import host_profile as hp
     pids = {c.name: c.proc.pid for c in svc.stack.children
             if c.name in ("target", "draft", "gateway")}

@@ -60,9 +60,6 @@ class ServiceAcceptance:
     def observe(self, shape: str | int, depth: int, accepted: int) -> None:
         self.by_shape.setdefault(shape, DepthCounts()).observe(depth, accepted, SERVICE_DECAY)
 
-    def p(self, shape: str | int, d: int) -> float:
-        return _service_p(self.by_shape.get(shape), d)
-
     def depth(self, shape: str | int) -> int:
         counts = self.by_shape.get(shape)
         return counts.depth if counts is not None else 0

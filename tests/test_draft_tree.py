@@ -69,6 +69,26 @@ def test_ancestor_mask_and_depths_follow_the_parents():
     assert [j for j in range(6) if mask[2, j]] == [0, 2]
 
 
+
+@pytest.mark.parametrize("nodes", [1, 15, 63, 64, 130])
+def test_ancestor_masks_of_any_size_walk_the_parents(nodes):
+    """Row i sees exactly node i and the nodes on its way up to the anchor - across the 64-bit
+    words the mask is built from - and the triton backend's packed words say the same."""
+    from runtime.attention.triton_backend import mask_bits
+    rng = random.Random(nodes)
+    tree = DraftTree([0] * nodes, [rng.randrange(i + 1) for i in range(nodes)])
+    mask = tree.ancestor_mask()
+    for i in range(nodes + 1):
+        up, node = {0, i}, i
+        while node:
+            node = tree.parents[node - 1]
+            up.add(node)
+        assert {j for j in range(nodes + 1) if mask[i, j]} == up
+    width = -(-(nodes + 1) // 32)
+    words = mask_bits(mask, nodes + 1, width).tolist()
+    assert all(((words[i][j // 32] >> (j % 32)) & 1) == bool(mask[i, j])
+               for i in range(nodes + 1) for j in range(nodes + 1))
+
 def test_greedy_path_takes_the_matching_child_at_every_node():
     tree = DraftTree([10, 11, 12, 13, 14], [0, 0, 2, 3, 2])
     # argmax after each node: anchor -> 11 (node 2), node 2 -> 12 (node 3), node 3 -> 13 (node 4)
