@@ -117,12 +117,15 @@ class Services:
 
 
 # -- part 1: per-step overhead ---------------------------------------------------------------
-async def drive(address: str, prompts: list[list[int]], concurrency: int, max_tokens: int
-                ) -> tuple[int, float]:
-    """Runs every prompt once with `concurrency` in flight; returns (tokens, seconds)."""
+async def drive(address: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                outputs: list[list[int]] | None = None) -> tuple[int, float]:
+    """Runs every prompt once with `concurrency` in flight; returns (tokens, seconds).
+    outputs: filled with each prompt's output tokens, in the prompts' order."""
     queue: asyncio.Queue = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
+    for i, p in enumerate(prompts):
+        queue.put_nowait((i, p))
+    if outputs is not None:
+        outputs[:] = [[] for _ in prompts]
     produced = 0
     async with grpc.aio.insecure_channel(address) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
@@ -130,12 +133,14 @@ async def drive(address: str, prompts: list[list[int]], concurrency: int, max_to
         async def worker() -> None:
             nonlocal produced
             while not queue.empty():
-                ids = queue.get_nowait()
+                i, ids = queue.get_nowait()
                 req = gateway_pb2.GenerateRequest(
                     token_ids=gateway_pb2.TokenIds(ids=ids), max_tokens=max_tokens,
                     ignore_eos=True, sampling=common_pb2.SamplingParams(temperature=0))
                 async for r in stub.Generate(req, timeout=1800):
                     produced += len(r.token_ids)
+                    if outputs is not None:
+                        outputs[i] += r.token_ids
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -371,20 +376,22 @@ def stack_system(spec: str, log_dir: Path) -> tuple[str, StackClient]:
 
 
 def system_options(spec: str) -> tuple[str, str, dict]:
-    """'DRAFTER[:DRAFT_DTYPE][,tree=N][,block=B][,speculation=S]' (e.g. dflash:float32,
-    dflash,tree=15,block=16, dflash,tree=15,speculation=fixed) -> (its label, the drafter, its
-    further StackOptions)."""
+    """'DRAFTER[:DRAFT_DTYPE][,tree=N][,block=B][,speculation=S][,deterministic]' (e.g.
+    dflash:float32, dflash,tree=15,block=16, dflash,tree=15,speculation=fixed, none,deterministic)
+    -> (its label, the drafter, its further StackOptions)."""
     head, *opts = spec.split(",")
     drafter, _, dtype = head.partition(":")
-    extra = dict(o.split("=", 1) for o in opts)
+    extra = dict(o.split("=", 1) if "=" in o else (o, "1") for o in opts)
     tree, block = int(extra.get("tree", 0)), int(extra.get("block", 0))
     speculation = extra.get("speculation", "")
     label = (f"dflash up --drafter {drafter}" + (f" --draft-dtype {dtype}" if dtype else "")
              + (f" --spec-tree-nodes {tree}" if tree else "")
              + (f" --block-size {block}" if block else "")
-             + (f" --speculation {speculation}" if speculation else ""))
+             + (f" --speculation {speculation}" if speculation else "")
+             + (" --deterministic" if "deterministic" in extra else ""))
     return label, drafter, {"draft_dtype": dtype, "spec_tree_nodes": tree, "block_size": block,
-                            **({"speculation": speculation} if speculation else {})}
+                            **({"speculation": speculation} if speculation else {}),
+                            **({"deterministic": True} if "deterministic" in extra else {})}
 
 
 def median_run(rounds: list[dict]) -> dict:

@@ -145,7 +145,7 @@ class GpuStack:
             draft_metrics_port=free_port(), model_dir=str(tdir), dtype=args.dtype,
             drafter="dflash" if ddir is not None else "none", draft_model=str(ddir or ""),
             log_dir=str(log_dir), quiet=True, ready_timeout_s=900, device=args.device,
-            attention_backend=args.backend,
+            attention_backend=args.backend, deterministic=args.deterministic,
             target_args=(*PREFIX_CACHING_OFF, "--kv-budget", args.target_kv,
                          "--kv-cache-dtype", args.kv_cache_dtype,
                          "--max-block-size", "16", "--graph-capture-layers", capture,
@@ -280,10 +280,11 @@ def inprocess(tdir: Path, ddir: Path | None, args, prompts, max_tokens: int, tau
         TargetConfig(model_dir=str(tdir), device=args.device, dtype=args.dtype,
                      attention_backend=args.backend, max_block_size=16,
                      kv_budget_bytes=_bytes(args.target_kv), graph_capture_layers=taps,
-                     token_budget=2048),
+                     token_budget=2048, deterministic=args.deterministic),
         DraftConfig(target_dir=str(tdir), model_dir=str(ddir), device=args.device,
                     dtype=args.dtype, attention_backend=args.backend,
-                    kv_budget_bytes=_bytes(args.draft_kv), token_budget=8192)
+                    kv_budget_bytes=_bytes(args.draft_kv), token_budget=8192,
+                    deterministic=args.deterministic)
         if ddir is not None else None,
         TargetHooks(random_weights=True, forced_acceptance=forced), ServiceHooks(random_weights=True))
     engines.target.worker.capture_cuda_graphs()
@@ -490,6 +491,8 @@ def main(argv: list[str] | None = None) -> None:
                          "(parts ar and services)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="the target's: auto | fp8_e4m3")
     ap.add_argument("--attention-backend", default="triton", help="on a GPU: triton | flashinfer")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="the target and the draft with batch-invariant kernels (its cost)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--transformers-budget-s", type=float, default=240)
@@ -540,6 +543,7 @@ def main(argv: list[str] | None = None) -> None:
     taus = tuple(args.taus[:1] if args.tiny else args.taus)   # --tiny: one forced tau
     rec.put("setup", {"target": f"{args.shape} shape, random bf16" if not args.tiny else "tiny",
                       "kv_cache_dtype": args.kv_cache_dtype,
+                      "deterministic": args.deterministic,
                       "drafter": f"DFlash 5 layers, taps {taps}, block 16",
                       "prompt_tokens": prompt_len, "max_tokens": max_tokens,
                       "forced_tau": list(taus),

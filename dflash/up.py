@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gateway --speculation: auto (each step's chain length or tree size, or "
                         "no drafting, chosen from measured cost and acceptance), fixed (the "
                         "block and tree defaults below), or a fixed verify block N")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels on the target and the draft: output bitwise "
+                        "equal to autoregressive decoding in bf16, at any load (CUDA, triton "
+                        "backend; chains only)")
     p.add_argument("--wire", default="", choices=("unary", "stream"),
                    help="gateway --wire: Propose/Verify as unary RPCs or on one stream per "
                         "upstream (default: the gateway's)")
@@ -75,7 +79,7 @@ def options_from_args(args: argparse.Namespace, **overrides) -> StackOptions:
         spec_disable_batch_size=args.spec_disable_batch_size,
         spec_tree_nodes=args.spec_tree_nodes, speculation=args.speculation, wire=args.wire, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout,
         device=args.device, attention_backend=args.attention_backend,
-        gateway_args=_admission_args(args), **overrides)
+        deterministic=args.deterministic, gateway_args=_admission_args(args), **overrides)
 
 
 def _admission_args(args: argparse.Namespace) -> tuple[str, ...]:

@@ -134,6 +134,16 @@ def scan_kernels_gpu(d: dict) -> None:
     assert all(r["out_rel_err"] == 0.0 for r in d["rows"] if "out_rel_err" in r)   # the reference
 
 
+def invariant_gemm_gpu(d: dict) -> None:
+    results = d["models"]["tiny"]["results"]
+    assert all(all(r["invariant"].values()) for r in results.values())   # the property itself
+    for r in results.values():
+        positive(*(t["ms"] for row in r["rows"].values() for t in row["tiles"].values()))
+        assert all(t["max_abs_diff_vs_cublas"] < 1e-3 for row in r["rows"].values()
+                   for t in row["tiles"].values())
+    positive(*(row["shipped_ms"] for row in d["models"]["tiny"]["forward_gemm_ms"].values()))
+
+
 def hybrid_gpu(d: dict) -> None:
     rows = d["rows"]
     assert len(rows) == 8 and len({r["model"] for r in rows}) == 2
@@ -308,6 +318,7 @@ BENCHES = [
           extra=("--shape", "qwen3.5-9b", "--parts", "ar", "services")),
     Bench("hybrid_cpu", hybrid_cpu, extra=("--threads", "1")),        # as OMP_NUM_THREADS
     Bench("hybrid_gpu", hybrid_gpu),
+    Bench("invariant_gemm_gpu", invariant_gemm_gpu),
     Bench("kv_fp8", kv_fp8, "## fp8 KV cache (CPU)"),
     Bench("prefix_cache", prefix_cache, "## Prefix caching (CPU)"),
     Bench("scan_kernels_gpu", scan_kernels_gpu),

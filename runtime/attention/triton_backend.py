@@ -6,6 +6,7 @@ import numpy as np
 import torch
 import triton
 
+from runtime import batch_invariance
 from runtime.attention.base import AttentionBackend
 from runtime.attention.metadata import AttentionMetadata
 from runtime.attention.triton_kernels import paged_block_attention, paged_mla_attention
@@ -69,9 +70,19 @@ class TritonAttentionBackend(AttentionBackend):
         self._cu_q, self._prefix, self._tables, self._tree = cu_q, prefix, tables, tree
         group = self.num_heads // self.num_kv_heads
         rows = max_q_len * group
-        self._block_m = max(16, min(self.MLA_BLOCK_M if self.cache.latent_value_dim else 64,
-                                     _next_pow2(rows)))
+        self._block_m = self.block_m(rows)
         self._grid = (prefix.shape[0], self.num_kv_heads, triton.cdiv(rows, self._block_m))
+
+    def block_m(self, rows: int) -> int:
+        """Query rows per program for a forward whose longest sequence brings `rows` (new tokens
+        x GQA group): as many as fill the MMA, up to 64 (MLA: 32). --deterministic: always the
+        same (ATTENTION_BLOCK_M; MLA: 32), whatever the batch, so a row meets the same MMA shape
+        in a decode and in a verify (runtime/batch_invariance.py)."""
+        cap = self.MLA_BLOCK_M if self.cache.latent_value_dim else 64
+        if batch_invariance.enabled():
+            return self.MLA_BLOCK_M if self.cache.latent_value_dim else (
+                batch_invariance.ATTENTION_BLOCK_M)
+        return max(16, min(cap, _next_pow2(rows)))
 
     def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
                ) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime import batch_invariance
 from runtime.layers.gemm_calibration import DEFAULT_TABLE, GemmTable, calibrate
 
 log = logging.getLogger("dflash.gemm")
@@ -156,7 +157,12 @@ def native_bf16_gemm() -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """F.linear, through the chosen CPU GEMM for fp32 inference on the CPU."""
+    """F.linear, through the batch-invariant GEMM under --deterministic
+    (runtime/batch_invariance.py), else the chosen CPU GEMM for fp32 inference on the CPU."""
+    if batch_invariance.enabled() and not (
+            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        from runtime.layers.invariant_gemm import invariant_linear
+        return invariant_linear(x, weight, bias)
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return CPU_GEMMS[_active[0]](x, weight, bias)

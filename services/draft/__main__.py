@@ -75,7 +75,7 @@ def config_from_args(args: argparse.Namespace) -> DraftConfig:
         feature_dtype=args.feature_dtype, model_id=args.model_id,
         cuda_graphs=not args.no_cuda_graphs, cpu_gemm=args.cpu_gemm,
         prefix_caching=args.enable_prefix_caching,
-        prefix_cache_max_pages=args.prefix_cache_max_pages)
+        prefix_cache_max_pages=args.prefix_cache_max_pages, deterministic=args.deterministic)
 
 
 def metrics_name(config: DraftConfig) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime import batch_invariance
 from runtime.config import DTYPES
 from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM, native_bf16_gemm
 
@@ -33,6 +34,7 @@ class DraftConfig:
     model_id: str = ""
     cuda_graphs: bool = True           # capture the propose forward during warm-up (CUDA + triton)
     cpu_gemm: str = DEFAULT_CPU_GEMM   # fp32 CPU GEMM (runtime/layers/linear.py): auto | onednn | torch
+    deterministic: bool = False        # batch-invariant kernels (runtime/batch_invariance.py)
     # dflash: context pages of committed positions kept for later prompts that start the same
     # way (OpenSequence); the service's flag defaults to on, in-process users to off
     prefix_caching: bool = False
@@ -41,6 +43,8 @@ class DraftConfig:
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.deterministic:
+            batch_invariance.check(self.device, self.attention_backend)
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu gemm {self.cpu_gemm!r} is not offered by this torch build; "
                              f"allowed: {sorted(CPU_GEMMS)}")

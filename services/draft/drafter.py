@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime import batch_invariance
 from runtime.draft_tree import DraftTree
 from runtime.layers.linear import set_cpu_gemm
 from runtime.models.dflash import TargetFingerprint
@@ -122,4 +123,5 @@ def drafter_class(name: str) -> type[Drafter]:
 def make_drafter(config: DraftConfig, random_weights: bool = False) -> Drafter:
     """random_weights (benchmarks: ServiceHooks): a weighted drafter's weights at random."""
     set_cpu_gemm(config.cpu_gemm)
+    batch_invariance.enable(config.deterministic)
     return drafter_class(config.drafter)(config, random_weights)

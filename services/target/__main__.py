@@ -97,7 +97,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         prefix_cache_max_pages=args.prefix_cache_max_pages,
         prefix_state_checkpoints=args.prefix_state_checkpoints,
         tensor_parallel_size=args.tensor_parallel_size,
-        linear_attention_kernels=args.linear_attention_kernels)
+        linear_attention_kernels=args.linear_attention_kernels, deterministic=args.deterministic)
 
 
 async def warmup(engine: TargetEngine, worker: TargetWorker) -> None:

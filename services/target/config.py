@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime import batch_invariance
 from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM
 from runtime.layers.scan_kernels import CHOICES as SCAN_KERNELS
 
@@ -53,6 +54,8 @@ class TargetConfig:
     tensor_parallel_size: int = 1      # ranks the model is split over (services/target/ranks.py)
     # recurrent layers' prefill / decode kernels (runtime/layers/scan_kernels.py): auto | torch | fla
     linear_attention_kernels: str = "auto"
+    # batch-invariant kernels (runtime/batch_invariance.py): verify = decode bitwise; chains only
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_block_size < 1 or self.token_budget < self.max_block_size:
@@ -67,6 +70,8 @@ class TargetConfig:
         if self.feature_plane not in PLANE_CHOICES or self.feature_plane_mib < 1:
             raise ValueError(f"feature plane {self.feature_plane!r} of {self.feature_plane_mib} MiB: "
                              f"allowed {' | '.join(PLANE_CHOICES)}, at least 1 MiB")
+        if self.deterministic:
+            batch_invariance.check(self.device, self.attention_backend)
         if self.feature_plane == "cuda-ipc" and not self.device.startswith("cuda"):
             raise ValueError("--feature-plane cuda-ipc needs --device cuda")
         if self.prefix_cache_max_pages < 0 or self.prefix_state_checkpoints < 0:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime import tensor_parallel
+from runtime import batch_invariance, tensor_parallel
 from runtime.attention.base import AttentionBackend
 from runtime.attention.hybrid import HybridAttnBackend, can_commit_mamba_state
 from runtime.attention.metadata import AttentionMetadata, SeqSlice
@@ -71,12 +71,15 @@ class TargetWorker:
             self.device = torch.device("cuda", rank)
         self.dtype = parse_dtype(config.dtype)
         set_cpu_gemm(config.cpu_gemm)
+        batch_invariance.enable(config.deterministic)
         t0 = time.monotonic()
         self.model = load_model(config.model_dir, self.dtype, self.device, hooks.random_weights,
                                 tp_rank=rank, tp_size=config.tensor_parallel_size)
         self.scan_kernels = install_scan_kernels(self.model, config.linear_attention_kernels,
                                                  self.device)   # None: no recurrent layers
         self.ranks: TensorParallelRanks | None = None   # rank 0 of several: its followers
+        if config.deterministic:
+            self._check_deterministic()
         cfg = self.model.cfg
         self.facts = ModelFacts(
             model_id=config.model_id or default_model_id(config.model_dir),
@@ -257,11 +260,28 @@ class TargetWorker:
                        layout.scale)
         raise RuntimeError("no attention backend reads tree masks here")
 
+    def _check_deterministic(self) -> None:
+        """--deterministic covers the dense decoder's kernels (runtime/batch_invariance.py):
+        a model with other layers is a start-up error naming them."""
+        if getattr(self.model, "hybrid", False) or self.scan_kernels is not None:
+            raise ValueError("--deterministic covers dense attention models; this one has "
+                             "recurrent (linear-attention / state-space) layers, whose kernels "
+                             "are not batch-invariant")
+        if not getattr(self.model, "graph_capturable", True):
+            raise ValueError("--deterministic covers dense attention models; this one has "
+                             "mixture-of-experts layers, whose grouped GEMMs are not "
+                             "batch-invariant")
+        if self.config.max_tree_nodes:
+            log.info("--deterministic: chains only (a tree's keys fall into other tiles than a "
+                     "decode's); max_tree_nodes 0")
+
     @property
     def max_tree_nodes(self) -> int:
         """Draft nodes a tree Verify may carry (a hybrid model: within the recurrent states a
-        verify slot keeps, one per block row)."""
+        verify slot keeps, one per block row; none under --deterministic)."""
         self._require("backends", "max_tree_nodes")
+        if self.config.deterministic:
+            return 0
         nodes = min(self.config.max_tree_nodes, self.config.token_budget - 1)
         if self.facts.hybrid:
             nodes = min(nodes, self.state_pool.max_block_size - 1)

@@ -1,0 +1,54 @@
+"""`--deterministic`: batch-invariant inference, so that a row's logits are bitwise the same
+whether its token is decoded alone, verified in a block of drafts, or batched beside other
+sequences - which makes speculative output bit-identical to autoregressive output in bf16 on a
+GPU, not only in fp32 on the CPU (issue 38; docs/deterministic.md).
+
+Why the default path is not: cuBLAS picks its GEMM kernel (tiling, split-K) by the row count,
+and the Triton attention kernel packs more query rows per program for a verify block than for a
+decode step (runtime/attention/triton_backend.py), so a token's result depends on how many
+tokens share its forward; bf16 rounds those differences into near-ties that fork greedy paths.
+
+What the switch changes, process-wide (the target's and the draft's worker set it at start-up):
+  - every linear layer (runtime/layers/linear.py: projections, MLPs, the LM head) runs the
+    Triton GEMM of runtime/layers/invariant_gemm.py, whose tile shape is fixed per weight (never
+    by the row count) and which reduces over K in one fixed order (no split-K);
+  - the Triton attention kernel runs one fixed block of query rows per program
+    (ATTENTION_BLOCK_M), so a row meets the same MMA shape and key tiles in a decode and in a
+    verify; keys are walked from position 0 in fixed tiles, and the keys a row may not see add
+    exact zeros.
+The fused norms, rotary and SiLU kernels are per row already. Trees are not covered: a tree's
+ancestors sit between masked siblings in the block, so their keys fall into other tiles than
+in a decode; a deterministic target verifies chains only (max_tree_nodes 0, which the gateway
+clamps to). Needs CUDA and the triton attention backend (on the CPU the kernels run only under
+Triton's interpreter, TRITON_INTERPRET=1: the tests)."""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("dflash.batch_invariance")
+
+ATTENTION_BLOCK_M = 16            # query rows (token x GQA head) per attention program
+_enabled = [False]
+
+
+def enable(on: bool) -> None:
+    """Sets the process's mode (before the model's first forward and any graph capture)."""
+    if on != _enabled[0]:
+        log.info("batch-invariant kernels %s", "on" if on else "off")
+    _enabled[0] = on
+
+
+def enabled() -> bool:
+    return _enabled[0]
+
+
+def check(device: str, attention_backend: str) -> None:
+    """ValueError naming what --deterministic needs, for a device or backend it cannot cover."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not device.startswith("cuda") and not interpreted:
+        raise ValueError(f"--deterministic needs --device cuda (batch-invariant Triton kernels); "
+                         f"got --device {device}. On the CPU, fp32 is the exact path")
+    if attention_backend != "triton":
+        raise ValueError(f"--deterministic needs --attention-backend triton (its kernel is made "
+                         f"batch-invariant); got {attention_backend!r}")
