@@ -75,7 +75,7 @@ class StackOptions:
     quiet: bool = False
     device: str = "cpu"                # target and draft
     attention_backend: str = ""        # target and draft; "" = triton on CUDA, torch on CPU
-    deterministic: bool = False        # target and draft: batch-invariant kernels (chains only)
+    deterministic: bool = False        # target and draft: batch-invariant kernels
     target_args: tuple[str, ...] = ()  # extra flags, appended as given (benchmarks)
     draft_args: tuple[str, ...] = ()
     target_hooks: HookFlags = NO_HOOK_FLAGS   # tests and benchmarks: through dflash.harness
@@ -210,11 +210,11 @@ class Stack:
 
     def tree_nodes(self) -> int:
         """The gateway's --spec-tree-nodes: the option, else GPU_DFLASH_TREE_NODES for a DFlash
-        drafter on a GPU, else 0 (chains; a --deterministic target verifies chains only)."""
+        drafter on a GPU, else 0 (chains)."""
         if self.opts.spec_tree_nodes >= 0:
             return self.opts.spec_tree_nodes
         gpu = (self.opts.drafter == "dflash" and self.opts.device.startswith("cuda")
-               and self.fixed and not self.opts.deterministic)
+               and self.fixed)
         return GPU_DFLASH_TREE_NODES if gpu else 0
 
     def spec_disable_batch(self) -> int:

@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels on the target and the draft: output bitwise "
                         "equal to autoregressive decoding in bf16, at any load (CUDA, triton "
-                        "backend; chains only)")
+                        "backend, dense models)")
     p.add_argument("--wire", default="", choices=("unary", "stream"),
                    help="gateway --wire: Propose/Verify as unary RPCs or on one stream per "
                         "upstream (default: the gateway's)")

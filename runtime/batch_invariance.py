@@ -12,15 +12,16 @@ What the switch changes, process-wide (the target's and the draft's worker set i
   - every linear layer (runtime/layers/linear.py: projections, MLPs, the LM head) runs the
     Triton GEMM of runtime/layers/invariant_gemm.py, whose tile shape is fixed per weight (never
     by the row count) and which reduces over K in one fixed order (no split-K);
-  - the Triton attention kernel runs one fixed block of query rows per program
-    (ATTENTION_BLOCK_M), so a row meets the same MMA shape and key tiles in a decode and in a
-    verify; keys are walked from position 0 in fixed tiles, and the keys a row may not see add
-    exact zeros.
-The fused norms, rotary and SiLU kernels are per row already. Trees are not covered: a tree's
-ancestors sit between masked siblings in the block, so their keys fall into other tiles than
-in a decode; a deterministic target verifies chains only (max_tree_nodes 0, which the gateway
-clamps to). Needs CUDA and the triton attention backend (on the CPU the kernels run only under
-Triton's interpreter, TRITON_INTERPRET=1: the tests)."""
+  - the Triton attention kernel runs one token per program in a block of ATTENTION_BLOCK_M
+    query rows (its GQA heads, padded), as a one-token decode does, so a row meets the same MMA
+    shape and the same key tiles in a decode and in a verify: keys are walked from position 0
+    in fixed tiles, and the keys a row may not see add exact zeros;
+  - a tree of drafts: each node gathers its ancestors' keys in depth order at the positions
+    they take once committed (the kernel's PATHS input), instead of reading the block with its
+    siblings masked - the tiles and order of the decode of that node after its path.
+The fused norms, rotary and SiLU kernels are per row already. Needs CUDA and the triton
+attention backend (on the CPU the kernels run only under Triton's interpreter,
+TRITON_INTERPRET=1: the tests), and a dense model (not recurrent, MoE or MLA layers)."""
 from __future__ import annotations
 
 import logging

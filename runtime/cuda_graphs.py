@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.attention.metadata import AttentionMetadata, SeqSlice
-from runtime.attention.triton_backend import mask_bits
+from runtime.attention.triton_backend import tree_rows, tree_width
 from runtime.kv_cache import PagedKVCache
 from runtime.models.forward import ForwardOutput
 
@@ -70,7 +70,7 @@ class GraphRunner:
         self.forward, self.backend, self.cache = forward, backend, cache
         self.q_len, self.causal, self.buckets = q_len, causal, tuple(sorted(buckets))
         self.tree = tree
-        self._causal_bits = mask_bits(None, q_len, -(-q_len // 32)) if tree else None
+        self._causal_bits = tree_rows(None, q_len, tree_width(q_len)) if tree else None
         self.max_pages = cache.pages_for(max_context + q_len)
         self.device = cache.k.device
         self.graphs: dict[int, _Static] = {}
@@ -127,7 +127,7 @@ class GraphRunner:
         if st.tree is not None:
             for i, s in enumerate(slices):
                 rows = st.host_tree[i * q: (i + 1) * q]
-                rows.copy_(mask_bits(s.tree, q, rows.shape[1]) if s.tree is not None
+                rows.copy_(tree_rows(s.tree, q, rows.shape[1]) if s.tree is not None
                            else self._causal_bits)
             st.tree.copy_(st.host_tree, non_blocking=True)
         st.graph.replay()

@@ -46,24 +46,31 @@ def test_tile_depends_on_the_weight_only():
     assert tile_for(49152, 576)[1] >= tile_for(576, 576)[1]   # wide weights: wider tiles
 
 
-def _worker(model_dir, dtype: str = "float32") -> TargetWorker:
+def _worker(model_dir, dtype: str = "float32", graphs: bool = False) -> TargetWorker:
+    """graphs (CUDA): verifies of 16 tokens and trees of 16 replay captured graphs."""
     w = TargetWorker(TargetConfig(str(model_dir), device=DEVICE, attention_backend="triton",
                                   dtype=dtype, kv_budget_bytes=4 << 20, page_size=4,
-                                  cuda_graphs=False, deterministic=True))
+                                  cuda_graphs=graphs, graph_block_sizes=(1, 16),
+                                  graph_tree_sizes=(16,), deterministic=True))
     w.alloc_memory_pools()
     w.init_attention_backends()
+    w.capture_cuda_graphs()
     return w
 
 
-def _logits(w: TargetWorker, batch: list[tuple[PageTable, list[int], int]]) -> list[torch.Tensor]:
+def _logits(w: TargetWorker, batch: list[tuple[PageTable, list[int], int]],
+            graphs: dict | None = None) -> list[torch.Tensor]:
     """One forward over several sequences, each (pages, its whole token list, tokens already
-    in its cache): the new tokens' logits per sequence."""
+    in its cache): the new tokens' logits per sequence. graphs: the worker's captured graphs
+    the forward must replay."""
     slices, ids, pos = [], [], []
     for table, tokens, cached in batch:
         w.kv_cache.ensure(table, len(tokens))
         slices.append(SeqSlice(table, cached, len(tokens) - cached))
         ids += tokens[cached:]
         pos += range(cached, len(tokens))
+    if graphs is not None:
+        assert w._graph_for(slices, (), graphs) is not None
     out = w.forward(slices, torch.tensor(ids, device=DEVICE),
                     torch.tensor(pos, device=DEVICE), ())
     logits = w.logits(out.hidden).float().cpu()
@@ -71,31 +78,81 @@ def _logits(w: TargetWorker, batch: list[tuple[PageTable, list[int], int]]) -> l
     return list(logits.split(sizes))
 
 
-# bf16 (the GPU's case) where a GPU runs it: the interpreter computes in numpy's dtypes
+# bf16 (the GPU's case) and CUDA graphs where a GPU runs it: the interpreter computes in
+# numpy's dtypes
 DTYPES = ["float32", "bfloat16"] if DEVICE == "cuda" else ["float32"]
+GRAPHS = [False, True] if DEVICE == "cuda" else [False]
 
 
+@pytest.mark.parametrize("graphs", GRAPHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_tokens_logits_are_bitwise_equal_decoded_verified_and_batched(tiny_llama_dir, dtype,
-                                                                        deterministic):
-    w = _worker(tiny_llama_dir, dtype)
-    assert w.max_tree_nodes == 0                      # chains only
+                                                                        graphs, deterministic):
+    w = _worker(tiny_llama_dir, dtype, graphs)
     prompt = list(range(3, 22))                       # 19 tokens: pages of 4, several key tiles
-    block = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]
+    block = list(range(30, 46))                       # 16: a captured verify size
     # decoded: the prompt, then one token per forward
     t = PageTable()
     _logits(w, [(t, prompt, 0)])
-    decoded = [_logits(w, [(t, prompt + block[:i + 1], len(prompt) + i)])[0][0]
-               for i in range(len(block))]
-    decoded = torch.stack(decoded)
-    # verified: the block in one forward, beside another sequence's prefill and a decode
+    decoded = torch.stack([_logits(w, [(t, prompt + block[:i + 1], len(prompt) + i)])[0][0]
+                           for i in range(len(block))])
+    # verified: the block in one forward, beside another sequence's 16-token prefill (and,
+    # eagerly, a decode)
     t2, other, third = PageTable(), PageTable(), PageTable()
     _logits(w, [(t2, prompt, 0)])
     _logits(w, [(third, list(range(50, 60)), 0)])
-    verified, _, _ = _logits(w, [(t2, prompt + block, len(prompt)),
-                                 (other, list(range(60, 83)), 0),
-                                 (third, list(range(50, 61)), 10)])
+    batch = [(t2, prompt + block, len(prompt)), (other, list(range(60, 76)), 0)]
+    if not graphs:
+        batch.append((third, list(range(50, 61)), 10))
+    verified = _logits(w, batch, w._graphs if graphs else None)[0]
     assert torch.equal(verified, decoded)
+
+
+def _decoded(w: TargetWorker, tokens: list[int], cached: int) -> torch.Tensor:
+    """The logits of tokens[-1], decoded one token per forward after a prefill of
+    tokens[:cached], in fresh pages."""
+    t = PageTable()
+    _logits(w, [(t, tokens[:cached], 0)])
+    for n in range(cached + 1, len(tokens) + 1):
+        last = _logits(w, [(t, tokens[:n], n - 1)])[0][0]
+    return last
+
+
+@pytest.mark.parametrize("graphs", GRAPHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tree_nodes_logits_are_bitwise_its_paths_decode(tiny_llama_dir, dtype, graphs,
+                                                          deterministic):
+    from runtime.draft_tree import DraftTree
+    w = _worker(tiny_llama_dir, dtype, graphs)
+    prompt = list(range(3, 20))                       # 17 tokens: the block starts mid-tile
+    tree = DraftTree(list(range(40, 55)), [0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 2, 8, 9, 10])
+    block = [30] + tree.tokens                        # the anchor, then 15 drafts: 16 rows
+    t, other = PageTable(), PageTable()
+    _logits(w, [(t, prompt, 0)])
+    w.kv_cache.ensure(t, len(prompt) + len(block))
+    w.kv_cache.ensure(other, 16)
+    slices = [SeqSlice(t, len(prompt), len(block), tree.ancestor_mask()),
+              SeqSlice(other, 0, 16)]                 # beside a 16-token prefill
+    if graphs:
+        assert w._graph_for(slices, (), w._tree_graphs) is not None
+    ids = block + list(range(60, 76))
+    pos = [len(prompt) + d for d in tree.depths] + list(range(16))   # depths: anchor first
+    out = w.forward(slices, torch.tensor(ids, device=DEVICE), torch.tensor(pos, device=DEVICE), ())
+    verified = w.logits(out.hidden).float().cpu()[: len(block)]
+    mask = tree.ancestor_mask()
+    for node in range(len(block)):
+        path = [block[j] for j in range(len(block)) if mask[node, j]]   # by depth: parents first
+        assert torch.equal(verified[node], _decoded(w, prompt + path, len(prompt))), node
+
+
+def test_paths_list_each_nodes_ancestors_by_depth():
+    from runtime.attention.triton_backend import mask_paths
+    from runtime.draft_tree import DraftTree
+    tree = DraftTree([5, 6, 7, 8], [0, 0, 2, 1])
+    rows = mask_paths(tree.ancestor_mask(), 5, 6).tolist()
+    assert rows == [[0, 0, -1, -1, -1, -1], [1, 0, 1, -1, -1, -1], [1, 0, 2, -1, -1, -1],
+                    [2, 0, 2, 3, -1, -1], [2, 0, 1, 4, -1, -1]]
+    assert mask_paths(None, 3, 4).tolist() == [[0, 0, -1, -1], [1, 0, 1, -1], [2, 0, 1, 2]]
 
 
 def test_default_mode_keeps_its_own_blocks():

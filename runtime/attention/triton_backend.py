@@ -28,11 +28,38 @@ def mask_bits(mask: torch.Tensor | None, q_len: int, width: int) -> torch.Tensor
     return torch.from_numpy(words.view("<u4").astype(np.int64))
 
 
+def mask_paths(mask: torch.Tensor | None, q_len: int, width: int) -> torch.Tensor:
+    """bool [q, q] ancestor mask (None: causal) -> int64 [q, width] (width >= q + 1): row i =
+    [depth_i, a_0, .., a_depth, -1 ..], the new tokens row i sees in block order - its
+    ancestors by depth, itself last (parents come first) - the kernel's PATHS input."""
+    if mask is None:
+        mask = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    m = mask.cpu().numpy()
+    rows, cols = np.nonzero(m)                                    # row-major: by row, then col
+    counts = m.sum(axis=1)
+    rank = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+    out = np.full((q_len, width), -1, dtype=np.int64)
+    out[:, 0] = counts - 1
+    out[rows, 1 + rank] = cols
+    return torch.from_numpy(out)
+
+
+def tree_width(q_len: int) -> int:
+    """Columns of a tree row (tree_rows) for blocks of up to q_len new tokens."""
+    return q_len + 1 if batch_invariance.enabled() else -(-q_len // 32)
+
+
+def tree_rows(mask: torch.Tensor | None, q_len: int, width: int) -> torch.Tensor:
+    """The kernel's tree input for one sequence: mask bits, or under --deterministic the
+    ancestor paths (runtime/batch_invariance.py)."""
+    return (mask_paths if batch_invariance.enabled() else mask_bits)(mask, q_len, width)
+
+
 def tree_bits(meta: AttentionMetadata) -> torch.Tensor:
     """int64 [T, W]: per new token, the new tokens of its sequence it sees - its tree mask, or
-    every earlier one for a sequence without a tree."""
-    width = -(-max(meta.q_lens) // 32)
-    return torch.cat([mask_bits(tree, q_len, width)
+    every earlier one for a sequence without a tree (bits, or paths: tree_rows)."""
+    width = tree_width(max(meta.q_lens))
+    return torch.cat([tree_rows(tree, q_len, width)
                       for q_len, tree in zip(meta.q_lens, meta.tree_masks)])
 
 
@@ -69,8 +96,11 @@ class TritonAttentionBackend(AttentionBackend):
         [bs, P]; tree int64 [T, W] (tree_bits) or None (no sequence verifies a tree)."""
         self._cu_q, self._prefix, self._tables, self._tree = cu_q, prefix, tables, tree
         group = self.num_heads // self.num_kv_heads
-        rows = max_q_len * group
-        self._block_m = self.block_m(rows)
+        self._block_m = self.block_m(max_q_len * group)
+        self._group_pad = group
+        if batch_invariance.enabled() and not self.cache.latent_value_dim:  # a token a program
+            self._group_pad = -(-group // self._block_m) * self._block_m
+        rows = max_q_len * self._group_pad
         self._grid = (prefix.shape[0], self.num_kv_heads, triton.cdiv(rows, self._block_m))
 
     def block_m(self, rows: int) -> int:
@@ -91,6 +121,7 @@ class TritonAttentionBackend(AttentionBackend):
         if tree is not None and (window or not causal):
             raise ValueError("a tree of drafts is verified by causal layers without a window "
                              "(target models); this layer has a window or is bidirectional")
+        paths = batch_invariance.enabled()             # the tree input holds paths, not bits
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         if not self.cache.fp8:
             q = q.to(kc.dtype)
@@ -107,7 +138,9 @@ class TritonAttentionBackend(AttentionBackend):
             self.scale * k_scale, v_scale,
             GROUP=self.num_heads // self.num_kv_heads, D=self.head_dim, PAGE=meta.page_size,
             BLOCK_M=self._block_m, BLOCK_N=self.BLOCK_N, CAUSAL=causal, WINDOW=window or 0,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TREE=tree is not None,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            TREE=tree is not None and not paths, GROUP_PAD=self._group_pad,
+            PATHS=tree is not None and paths,
         )
         return out
 

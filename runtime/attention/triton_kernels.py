@@ -17,6 +17,13 @@ Keys are walked in BLOCK_N steps through the page table with an online softmax (
   TREE:    tree int64 [T, W]: bit j of word j // 32 of a new token's row set where it sees new
            token j of its sequence (a verified tree of drafts: its ancestors and itself; parents
            come first, so this stays within the causal bound). Cached keys are all visible.
+  GROUP_PAD: query rows per token, GROUP or more (rows past GROUP are idle). --deterministic
+           (runtime/batch_invariance.py) pads the group to the program's BLOCK_M: one token per
+           program, as in a one-token decode, whatever the forward holds.
+  PATHS:   (--deterministic trees) tree int64 [T, W]: row t = [depth, a_0 .. a_depth, -1 ..],
+           the block indices of token t's ancestors by depth (itself last). Its keys are the
+           cached ones and then those ancestors, gathered at positions prefix + depth: the keys,
+           tiles and order of the decode of that token after its path was committed.
 """
 import triton
 import triton.language as tl
@@ -26,7 +33,8 @@ import triton.language as tl
 def _key_range(pre, kv_len, mblk, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """[first, last) of the key positions a block of query rows can see: up to its last row's
-    own position when causal, from its first row's window start (rounded down to BLOCK_N)."""
+    own position when causal, from its first row's window start (rounded down to BLOCK_N).
+    GROUP: query rows per token (the GQA group, or its padding: GROUP_PAD)."""
     if CAUSAL:
         last = tl.minimum(pre + (mblk * BLOCK_M + BLOCK_M - 1) // GROUP + 1, kv_len)
     else:
@@ -73,6 +81,7 @@ def paged_block_attention(
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, TREE: tl.constexpr,
+    GROUP_PAD: tl.constexpr = 0, PATHS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -81,24 +90,35 @@ def paged_block_attention(
     q_len = tl.load(cu_q + b + 1) - q_lo
     pre = tl.load(prefix + b)
     rows = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = rows // GROUP
-    head = kvh * GROUP + rows % GROUP
-    row_ok = tok < q_len
-    if mblk * BLOCK_M < q_len * GROUP:
+    PAD: tl.constexpr = GROUP if GROUP_PAD == 0 else GROUP_PAD
+    tok = rows // PAD
+    head = kvh * GROUP + rows % PAD
+    row_ok = (tok < q_len) & (rows % PAD < GROUP)
+    if mblk * BLOCK_M < q_len * PAD:
         d = tl.arange(0, D)
         q_ptrs = q + (q_lo + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
         qb = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
         qpos = pre + tok                                         # absolute query positions
         kv_len = pre + q_len
-        first, last = _key_range(pre, kv_len, mblk, GROUP, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+        first, last = _key_range(pre, kv_len, mblk, PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+        if PATHS:                              # one token per program: its path's keys
+            path = tree + (q_lo + (mblk * BLOCK_M) // PAD) * stride_tree
+            depth = tl.load(path)
+            last = pre + depth + 1
+            qpos = pre + depth + tok * 0
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         for start in range(first, last, BLOCK_N):
             kpos = start + tl.arange(0, BLOCK_N)
             k_ok = kpos < last
-            page = tl.load(tables + b * stride_tb + kpos // PAGE, mask=k_ok, other=0)
-            slot = page * PAGE + kpos % PAGE
+            src = kpos
+            if PATHS:                          # a block key: the ancestor at that depth
+                new = (kpos >= pre) & k_ok
+                src = tl.where(new, pre + tl.load(path + 1 + (kpos - pre), mask=new, other=0),
+                               kpos)
+            page = tl.load(tables + b * stride_tb + src // PAGE, mask=k_ok, other=0)
+            slot = page * PAGE + src % PAGE
             kb = tl.load(k + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
                          mask=k_ok[:, None], other=0.0).to(qb.dtype)
             s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION).to(tl.float32) * scale

@@ -24,8 +24,8 @@ def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget:
     flags.add(p, "--deterministic", action="store_true",
               help="batch-invariant kernels: a token's logits are bitwise the same alone, in a "
                    "verify block or beside other sequences, so speculative output equals "
-                   "autoregressive output in bf16 (CUDA with the triton backend; chains only on "
-                   "the target; runtime/batch_invariance.py)")
+                   "autoregressive output in bf16 (CUDA with the triton backend, dense models; "
+                   "runtime/batch_invariance.py)")
     flags.add(p, "--kv-budget", kv_budget, flags.parse_size, kv_help)
     flags.add(p, "--page-size", 16, int, "tokens per KV page")
     flags.add(p, "--enable-prefix-caching", "on", flags.parse_switch, "on | off: full KV pages "

@@ -54,7 +54,7 @@ class TargetConfig:
     tensor_parallel_size: int = 1      # ranks the model is split over (services/target/ranks.py)
     # recurrent layers' prefill / decode kernels (runtime/layers/scan_kernels.py): auto | torch | fla
     linear_attention_kernels: str = "auto"
-    # batch-invariant kernels (runtime/batch_invariance.py): verify = decode bitwise; chains only
+    # batch-invariant kernels (runtime/batch_invariance.py): a verify = its decodes, bitwise
     deterministic: bool = False
 
     def __post_init__(self) -> None:

@@ -271,17 +271,15 @@ class TargetWorker:
             raise ValueError("--deterministic covers dense attention models; this one has "
                              "mixture-of-experts layers, whose grouped GEMMs are not "
                              "batch-invariant")
-        if self.config.max_tree_nodes:
-            log.info("--deterministic: chains only (a tree's keys fall into other tiles than a "
-                     "decode's); max_tree_nodes 0")
+        if getattr(self.model.cfg, "kv_lora_rank", 0):
+            raise ValueError("--deterministic covers dense attention models; this one has "
+                             "MLA's latent cache, whose kernel is not batch-invariant")
 
     @property
     def max_tree_nodes(self) -> int:
         """Draft nodes a tree Verify may carry (a hybrid model: within the recurrent states a
-        verify slot keeps, one per block row; none under --deterministic)."""
+        verify slot keeps, one per block row)."""
         self._require("backends", "max_tree_nodes")
-        if self.config.deterministic:
-            return 0
         nodes = min(self.config.max_tree_nodes, self.config.token_budget - 1)
         if self.facts.hybrid:
             nodes = min(nodes, self.state_pool.max_block_size - 1)
