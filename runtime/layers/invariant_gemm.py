@@ -41,9 +41,11 @@ def _gemm_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
 
 def tile_for(n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight [n, k]: a function of the
-    weight alone. Narrow tiles for narrow weights keep every SM streaming weights at one row."""
-    block_n = 64 if n >= 8192 else 32
-    return 64, block_n, 64, 4, 3
+    weight alone. Chosen on an H100 at 16 and 512 rows (bench.invariant_gemm_gpu, 2026-12-06):
+    wide weights (an MLP's gate_up, the LM head) take 128-column tiles, the rest 64 x 128."""
+    if n >= 16384:
+        return 64, 128, 64, 4, 3
+    return 64, 64, 128, 4, 3
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
