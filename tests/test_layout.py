@@ -21,6 +21,8 @@ ENVIRONMENT = {
     "runtime/layers/fused.py": "DFLASH_TORCH_LAYER_OPS: the torch code instead of the Triton "
                                "kernels on CUDA (same results; a suspected kernel bug)",
     "services/__init__.py": "GOMP_SPINCOUNT default for the OpenMP pool",
+    "runtime/batch_invariance.py": "TRITON_INTERPRET (Triton's own): --deterministic runs on "
+                                   "the CPU only under Triton's interpreter (the tests)",
 }
 MAX_FUNCTION_LINES = 60
 ARGUMENT_PARSING = ("parse_args", "add_arguments", "add_model_service_flags", "add_server_flags",

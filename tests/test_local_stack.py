@@ -226,8 +226,14 @@ def test_target_graphs_capture_the_drafter_layers(tmp_path):
         assert argv[name][argv[name].index("--device") + 1] == "cuda"
         assert argv[name][argv[name].index("--attention-backend") + 1] == "triton"
     assert argv["draft"][-2:] == ["--kv-budget", "1GiB"]
+    assert "--deterministic" not in argv["target"]
     none = Stack(StackOptions(model_dir=str(model), log_dir=str(tmp_path), drafter="none"))
     assert "--graph-capture-layers" not in {a for c in none.plan() for a in c.argv}
+    det = Stack(StackOptions(model_dir=str(model), log_dir=str(tmp_path), device="cuda",
+                             deterministic=True))          # dflash up --deterministic
+    argv = {c.name: c.argv for c in det.plan()}
+    assert "--deterministic" in argv["target"] and "--deterministic" in argv["draft"]
+    assert "--deterministic" not in argv["gateway"]
 
 
 def gateway_flag(tmp_path, flag: str, **options) -> str:

@@ -60,6 +60,19 @@ def _tree_visible(tree, stride_tree, qrow, row_ok, kpos, k_ok, pre):
 
 
 @triton.jit
+def _key_slots(table, kpos, k_ok, pre, path, PAGE: tl.constexpr, PATHS: tl.constexpr):
+    """Cache slots of the keys at positions kpos (through the sequence's page table). PATHS: a
+    key of the block (kpos >= pre) is the program's token's ancestor at depth kpos - pre
+    (path: [depth, a_0, ..]), read where the block holds it."""
+    src = kpos
+    if PATHS:
+        new = (kpos >= pre) & k_ok
+        src = tl.where(new, pre + tl.load(path + 1 + (kpos - pre), mask=new, other=0), kpos)
+    page = tl.load(table + src // PAGE, mask=k_ok, other=0)
+    return page * PAGE + src % PAGE
+
+
+@triton.jit
 def _softmax_step(s, ok, vb, m_i, l_i, acc, PRECISION: tl.constexpr):
     """One tile of keys of the online softmax: scores s [rows, keys] (fp32, scaled) where ok,
     values vb [keys, D] -> the running max m_i, sum l_i [rows] and accumulator acc [rows, D]."""
@@ -101,8 +114,8 @@ def paged_block_attention(
         qpos = pre + tok                                         # absolute query positions
         kv_len = pre + q_len
         first, last = _key_range(pre, kv_len, mblk, PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+        path = tree + (q_lo + (mblk * BLOCK_M) // PAD) * stride_tree
         if PATHS:                              # one token per program: its path's keys
-            path = tree + (q_lo + (mblk * BLOCK_M) // PAD) * stride_tree
             depth = tl.load(path)
             last = pre + depth + 1
             qpos = pre + depth + tok * 0
@@ -112,13 +125,7 @@ def paged_block_attention(
         for start in range(first, last, BLOCK_N):
             kpos = start + tl.arange(0, BLOCK_N)
             k_ok = kpos < last
-            src = kpos
-            if PATHS:                          # a block key: the ancestor at that depth
-                new = (kpos >= pre) & k_ok
-                src = tl.where(new, pre + tl.load(path + 1 + (kpos - pre), mask=new, other=0),
-                               kpos)
-            page = tl.load(tables + b * stride_tb + src // PAGE, mask=k_ok, other=0)
-            slot = page * PAGE + src % PAGE
+            slot = _key_slots(tables + b * stride_tb, kpos, k_ok, pre, path, PAGE, PATHS)
             kb = tl.load(k + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
                          mask=k_ok[:, None], other=0.0).to(qb.dtype)
             s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION).to(tl.float32) * scale
