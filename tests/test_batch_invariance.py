@@ -192,3 +192,12 @@ def test_deterministic_refuses_recurrent_models(tmp_path):
                                       kv_budget_bytes=4 << 20, deterministic=True))
     finally:
         batch_invariance.enable(False)
+
+
+def test_a_target_asked_for_deterministic_on_the_cpu_exits_refusing_before_it_serves(
+        tiny_llama_dir, tmp_path):
+    from support.procs import start_target
+    p = start_target(tiny_llama_dir, tmp_path, "--deterministic", wait=False,
+                     env={"TRITON_INTERPRET": "0"})
+    assert p.proc.wait(120) == 2
+    assert "--deterministic needs --device cuda" in p.log()
