@@ -4,8 +4,8 @@ at the weight shapes of a Qwen3-8B-shaped and a SmolLM2-135M target and the row 
 meets (1: a decode step, 16: a verify block, 128 and 512: batches of them) - issue 38's cost.
 
 For every shape and row count: the median ms of cuBLAS, of the shipped tile (`tile_for`) and of
-a few other fixed tiles (candidates for `tile_for`: a tile may depend on the weight's shape,
-never on the row count); whether each tile's rows are bitwise the same computed alone (1 row),
+a few other fixed tiles and K splits (candidates for `tile_for`: they may depend on the
+weight's shape, never on the row count); whether each tile's rows are bitwise the same computed alone (1 row),
 in a block of 16 and in a batch of 512; its largest difference from cuBLAS. The per-model sums
 weight each shape by its layers (the LM head once). --tiny: small shapes on the CPU through
 Triton's interpreter (a smoke test)."""
@@ -30,22 +30,17 @@ MODELS = {
 }
 TINY_MODELS = {"tiny": {"qkv": (96, 64, 2), "lm_head": (200, 64, 1)}}
 ROWS, TINY_ROWS = (1, 16, 128, 512), (1, 16, 40)
-CANDIDATES = [(64, 32, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 64, 128, 4, 3),
-              (64, 32, 128, 4, 4), (128, 64, 64, 8, 3)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, K splits)
+CANDIDATES = [(64, 64, 128, 4, 3, 1), (64, 128, 64, 4, 3, 1), (128, 128, 64, 8, 4, 1),
+              (128, 128, 64, 8, 4, 2), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 3, 4)]
+TINY_CANDIDATES = [(64, 64, 128, 4, 3, 1), (64, 64, 32, 4, 3, 2)]   # one with its K split
 
 
 def run_tile(x, w, tile):
     """invariant_linear with a given tile instead of tile_for's."""
-    import triton
-
-    from runtime.layers.invariant_gemm import _gemm_kernel
-    bm, bn, bk, warps, stages = tile
-    m, n, k = x.shape[0], w.shape[0], w.shape[1]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, w, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=False,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    from runtime.layers.invariant_gemm import launch
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    launch(x, w, None, y, tile)
     return y
 
 
@@ -115,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     for model, shapes in models.items():
         results = {}
         for name, (n, k, _) in shapes.items():
-            tiles = sorted({tile_for(n, k), *(CANDIDATES[:2] if args.tiny else CANDIDATES)})
+            tiles = sorted({tile_for(n, k), *(TINY_CANDIDATES if args.tiny else CANDIDATES)})
             results[name] = shape_rows(n, k, rows, tiles, device, dtype)
             print(json.dumps({model: name, "invariant": results[name]["invariant"]}), flush=True)
         common = set.intersection(*(set(r["rows"][rows[0]]["tiles"]) for r in results.values()))

@@ -41,9 +41,29 @@ def test_gemm_rows_are_the_same_alone_and_in_any_batch(n, k, bias):
     assert invariant_linear(x.view(7, 10, k), w, b).shape == (7, 10, n)     # any leading dims
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_a_split_k_gemm_adds_its_parts_in_a_fixed_order(splits):
+    from runtime.layers.invariant_gemm import launch
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 200, generator=g).to(DEVICE)
+    b = torch.randn(40, generator=g).to(DEVICE)
+    x = torch.randn(33, 200, generator=g).to(DEVICE)
+    tile = (16, 32, 32, 4, 2, splits)                  # K = 200 in parts of 96, 96, 8 / 64..
+
+    def gemm(rows):
+        y = torch.empty(rows.shape[0], 40, device=DEVICE)
+        launch(rows.contiguous(), w, b, y, tile)
+        return y
+    full = gemm(x)
+    torch.testing.assert_close(full, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    for start, rows in [(0, 1), (7, 1), (2, 16), (20, 13)]:
+        assert torch.equal(gemm(x[start:start + rows]), full[start:start + rows])
+
+
 def test_tile_depends_on_the_weight_only():
     assert tile_for(576, 576) == tile_for(576, 576)
-    assert tile_for(49152, 576)[1] >= tile_for(576, 576)[1]   # wide weights: wider tiles
+    assert tile_for(4096, 12288)[5] > 1 == tile_for(151936, 4096)[5]   # narrow, deep: K split
+    assert tile_for(576, 576)[5] == 1                                  # shallow: not
 
 
 def _worker(model_dir, dtype: str = "float32", graphs: bool = False) -> TargetWorker:
