@@ -63,12 +63,13 @@ def _sum_splits(parts, bias, y, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.conste
 
 def tile_for(n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, K splits) for a weight [n, k]: a
-    function of the weight alone. 128 x 128 tiles (measured on an H100 the fastest at 512 rows,
-    bench.invariant_gemm_gpu, 2026-12-06), and K split in a fixed number of parts where the
-    weight has too few column tiles to keep about 128 programs busy at a few rows."""
-    tiles = -(-n // 128)
-    splits = max(1, min(-(-128 // tiles), 8, k // 1024))
-    return 128, 128, 64, 8, 4, splits
+    function of the weight alone. Chosen on an H100 at 16 and 512 rows (bench.invariant_gemm_gpu,
+    2026-12-06): wide weights (an MLP's gate_up, the LM head) take 128-column tiles, the rest
+    64 x 64 x 128; no K split yet (128 x 128 tiles with K split per weight are the candidates
+    for the 512-row cost, measured by the benchmark, not yet on a GPU)."""
+    if n >= 16384:
+        return 64, 128, 64, 4, 3, 1
+    return 64, 64, 128, 4, 3, 1
 
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
