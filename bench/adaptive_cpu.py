@@ -284,7 +284,12 @@ rows, 2.21 at 512 (chains) and 1.43 / 1.66 ms for the trees of 15 / 63. What the
 - **At 32 requests, drafting is over-priced**: a chain step was priced at 61-63 ms against 21 ms
   without drafts, while the measured chains of 8 took about 29 ms a step (2,730 tokens/s) -
   the Propose of a batch of 32 is charged far above what it costs, so auto never drafted at 16
-  and 32 requests, where chains ran 1.34-1.25x autoregressive.
+  and 32 requests, where chains ran 1.34-1.25x autoregressive. The log says why: each request's
+  first Propose waited behind the others' forwards (20 ms round trips around 2-9 ms forwards),
+  and that wait went into the Propose overhead (9.7 ms) that every later step was charged on
+  top of the batch's rows. **Fixed after this run** (not measured on a GPU yet): the draft
+  reports its engine wait (`ProposeResponse.queue_seconds`) and the overhead leaves it out, as
+  the Verify's already did.
 
 The runs are also short (8-32 requests of 64 tokens, 0.5-1.6 s per configuration and level,
 one round), so a fixed shape's own rate moves 10-20 % between runs; the goal's margin (0.95)

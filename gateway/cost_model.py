@@ -307,16 +307,22 @@ class CostModel:
         self._lines()
 
     def observe_propose(self, wall_s: float, rows: int = 0, tree: bool = False,
-                        forward_s: float = 0.0, busy: bool = False) -> None:
+                        forward_s: float = 0.0, busy: bool = False, queue_s: float = 0.0) -> None:
         """A Propose round trip of wall_s whose draft forward ran `rows` rows in forward_s
-        (0: a draft that does not say; then the round trip is the point); busy: while other
-        requests ran. A robust line through the last few, not a moving average: one slow
+        (0: a draft that does not say; then the round trip is the point) after waiting queue_s
+        in the draft's engine; busy: while other requests ran. Its overhead (the wire and the
+        event loops) is what is left of the round trip: a wait behind other Proposes' forwards
+        is their cost, which the rows of a batch already price - counted in the overhead as
+        well, 32 requests' first Proposes (each behind the others, 20 ms round trips around
+        2-9 ms forwards on an H200) priced every later drafting step at three times a step
+        without drafts, and auto never drafted at 16 and 32 requests.
+        A robust line through the last few, not a moving average: one slow
         Propose (a kernel's first run) must not make drafting look dear, as then no Propose is
         timed again to correct it. Alone and busy have lines of their own: on a 2-core CPU a
         Propose beside another request's verify took 3x one alone, and a line taught at two
         requests kept auto from drafting at one, where it won."""
         if forward_s > 0:
-            self._propose_overheads.append(max(0.0, wall_s - forward_s))
+            self._propose_overheads.append(max(0.0, wall_s - queue_s - forward_s))
             self._propose_overhead = None
         line = self._line(tree, busy, pricing=False)
         line.observe(rows, forward_s if forward_s > 0 else wall_s)
@@ -328,7 +334,8 @@ class CostModel:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("propose timed", extra={
                 "rows": rows, "forward_ms": round(forward_s * 1e3, 2),
-                "wall_ms": round(wall_s * 1e3, 2), "tree": tree, "busy": busy,
+                "wall_ms": round(wall_s * 1e3, 2), "queue_ms": round(queue_s * 1e3, 2),
+                "tree": tree, "busy": busy,
                 "overhead_ms": round(self.propose_overhead_s * 1e3, 2),
                 "line_ms": [round(x * 1e3, 3) for x in line.line],
                 "seed_scale": round(line.seed_scale, 3)})

@@ -60,7 +60,8 @@ class DraftLink:
         self.state = DraftState.OFF if self.route.draft is None else DraftState.SYNCED
         self.feed = DraftFeed()
         self.appended = 0               # positions the last Propose appended to the draft's context
-        self.last_forward = (0, 0.0)    # the last Propose's draft forward: (rows, seconds)
+        # the last Propose's draft forward: (rows, seconds, its wait in the draft's engine)
+        self.last_forward = (0, 0.0, 0.0)
         self.feed_limit = self.config.pending_feature_mib * 1024 * 1024
         self.capture_layers: list[int] = []      # what the target captures for it ...
         self.feature_dtype = ""                  # ... and in which dtype
@@ -178,8 +179,8 @@ class DraftLink:
             self.feed.sent()
             self._to(DraftState.SYNCED)
             # a draft that does not say: this request's own rows, and the round trip is timed
-            self.last_forward = ((resp.batch_rows, resp.batch_seconds) if resp.batch_rows
-                                 else (self.appended + block, 0.0))
+            self.last_forward = ((resp.batch_rows, resp.batch_seconds, resp.queue_seconds)
+                                 if resp.batch_rows else (self.appended + block, 0.0, 0.0))
             return self._proposal(resp, block, tree_nodes)
         return NO_DRAFTS
 

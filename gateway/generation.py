@@ -209,9 +209,9 @@ class Generation:
                                    resp.queue_seconds, tree=not drafts.is_chain,
                                    unit=0 if drafts.is_chain else len(drafts.tokens) + 1)
         if propose_s is not None and drafts.tokens:     # by the rows of its forward
-            rows, forward_s = self.draft.last_forward
+            rows, forward_s, queue_s = self.draft.last_forward
             policy.cost.observe_propose(propose_s, rows, not drafts.is_chain, forward_s,
-                                        busy=self.admission.running > 1)
+                                        busy=self.admission.running > 1, queue_s=queue_s)
         policy.export(self.state.metrics_model)
 
     async def _constrained(self, drafts: DraftTree) -> tuple[DraftTree, list[bytes] | None]:

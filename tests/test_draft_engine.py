@@ -124,6 +124,9 @@ def test_concurrent_proposes_run_as_one_batch(tiny_draft, tiny_qwen3_dir):
     # its own alone
     assert {r.batch_rows for r in got} == {sum(r.batch_rows for r in want)}
     assert all(r.batch_seconds > 0 for r in got + want)
+    # and how long it waited in the engine: the batched ones >= the 50 ms they were held
+    assert all(r.queue_seconds >= 0.04 for r in got)
+    assert max(r.queue_seconds for r in want) < min(r.queue_seconds for r in got)
 
 
 def test_lease_expiry_frees_the_cache(tiny_draft, tiny_qwen3_dir):

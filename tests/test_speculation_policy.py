@@ -481,6 +481,21 @@ def test_a_propose_s_round_trip_beyond_its_forward_is_its_overhead():
     assert c.propose_cost(10) == pytest.approx(0.003 + 0.018, rel=0.01)
 
 
+def test_a_propose_s_wait_behind_other_proposes_is_not_its_overhead():
+    """An H200 at 32 requests: each first Propose waited behind the others' forwards (20 ms
+    round trips around 2-9 ms forwards). The wait is the other forwards' cost, which a batch's
+    rows price already; counted as overhead too, it priced drafting at three times a step
+    without drafts. The draft reports the wait (ProposeResponse.queue_seconds)."""
+    c = CostModel([(1, 0.010)])
+    for _ in range(5):
+        c.observe_propose(0.0205, 559, forward_s=0.0032, busy=True, queue_s=0.0160)
+    assert c.propose_overhead_s == pytest.approx(0.0013)
+    without = CostModel([(1, 0.010)])
+    for _ in range(5):
+        without.observe_propose(0.0205, 559, forward_s=0.0032, busy=True)
+    assert without.propose_overhead_s == pytest.approx(0.0173)
+
+
 def test_one_slow_first_propose_does_not_price_its_overhead_into_every_step():
     """The EPYC, structured output at one request: the process's first Propose took 97 ms for
     a 19 ms forward (first use of the stream and the plane). Taken whole, that 78 ms priced

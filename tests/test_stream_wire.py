@@ -328,12 +328,13 @@ def test_draft_stream_answers_each_call_with_its_own_status(lookup_draft):
         for seq in ("d0", "d1"):
             assert stub.Release(common_pb2.ReleaseRequest(sequence_id=seq), timeout=60).released
     assert [code_of(replies[i]) for i in range(3)] == [OK, NOT_FOUND, INVALID]
-    # the same answer on both wires, but for the time of the forward each ran in and the load
-    # the draft reported (the sequences open then)
+    # the same answer on both wires, but for the time of the forward each ran in (and waited
+    # for) and the load the draft reported (the sequences open then)
     streamed = replies[0].response
     assert streamed.batch_seconds > 0 and unary.batch_seconds > 0
     assert unary.load.sequences >= 1 and streamed.load.sequences >= 1
     streamed.batch_seconds = unary.batch_seconds = 0.0
+    streamed.queue_seconds = unary.queue_seconds = 0.0
     streamed.ClearField("load")
     unary.ClearField("load")
     assert streamed == unary and list(unary.draft_tokens)[:3] == [5, 6, 7]

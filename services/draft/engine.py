@@ -40,6 +40,7 @@ class ProposeResult:
     draft_parents: list[int] = field(default_factory=list)   # a tree's; empty for a chain
     batch_rows: int = 0                 # the forward it ran in: every sequence's rows ...
     batch_seconds: float = 0.0          # ... and its time
+    queue_seconds: float = 0.0          # its wait in the engine before that forward
 
 
 class DraftEngine(SequenceEngine[DraftSequence]):
@@ -133,6 +134,7 @@ class DraftEngine(SequenceEngine[DraftSequence]):
                 f"{max(0, limit - item.context_len)} block positions fit")
 
     def _run(self, admitted: list[tuple[Work, ProposeItem]]) -> None:
+        started = time.monotonic()                # Work.enqueued_at's clock
         t0 = time.perf_counter()
         items = [item for _, item in admitted]
         drafts = self.drafter.propose(items)      # token lists: the device is done
@@ -142,7 +144,8 @@ class DraftEngine(SequenceEngine[DraftSequence]):
             item.seq.context_len = item.context_len
             item.seq.touch()
             parents = [] if tree.is_chain else tree.parents
-            work.resolve(ProposeResult(tree.tokens, item.context_len, parents, rows, seconds))
+            work.resolve(ProposeResult(tree.tokens, item.context_len, parents, rows, seconds,
+                                       max(0.0, started - work.enqueued_at)))
         self.stats.record_forward(len(items), rows, seconds)
 
     # -- SequenceEngine --------------------------------------------------------------------------

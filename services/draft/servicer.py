@@ -75,6 +75,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                          draft_parents=result.draft_parents,
                                          batch_rows=result.batch_rows,
                                          batch_seconds=result.batch_seconds,
+                                         queue_seconds=result.queue_seconds,
                                          load=engine.load())
 
     @rpc
