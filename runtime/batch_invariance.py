@@ -10,8 +10,8 @@ tokens share its forward; bf16 rounds those differences into near-ties that fork
 
 What the switch changes, process-wide (the target's and the draft's worker set it at start-up):
   - every linear layer (runtime/layers/linear.py: projections, MLPs, the LM head) runs the
-    Triton GEMM of runtime/layers/invariant_gemm.py, whose tile shape is fixed per weight (never
-    by the row count) and which reduces over K in one fixed order (no split-K);
+    Triton GEMM of runtime/layers/invariant_gemm.py, whose tile shape (and K split, if any) is
+    fixed per weight (never by the row count) and which reduces over K in one fixed order;
   - the Triton attention kernel runs one token per program in a block of ATTENTION_BLOCK_M
     query rows (its GQA heads, padded), as a one-token decode does, so a row meets the same MMA
     shape and the same key tiles in a decode and in a verify: keys are walked from position 0

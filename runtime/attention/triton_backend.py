@@ -108,10 +108,10 @@ class TritonAttentionBackend(AttentionBackend):
         x GQA group): as many as fill the MMA, up to 64 (MLA: 32). --deterministic: always the
         same (ATTENTION_BLOCK_M; MLA: 32), whatever the batch, so a row meets the same MMA shape
         in a decode and in a verify (runtime/batch_invariance.py)."""
-        cap = self.MLA_BLOCK_M if self.cache.latent_value_dim else 64
         if batch_invariance.enabled():
             return self.MLA_BLOCK_M if self.cache.latent_value_dim else (
                 batch_invariance.ATTENTION_BLOCK_M)
+        cap = self.MLA_BLOCK_M if self.cache.latent_value_dim else 64
         return max(16, min(cap, _next_pow2(rows)))
 
     def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
