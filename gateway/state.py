@@ -139,7 +139,8 @@ class GatewayState:
     def place(self, prompt: Sequence[int]) -> Route:
         """A new request's replicas: the least-loaded usable target and draft (gateway/route.py).
         Load: the requests this gateway placed there, or the sequences the replica last
-        reported holding (other gateways' too) when more; then its KV usage; then, as the hook
+        reported holding (other gateways' too, with this gateway's requests placed or ended since
+        the report added or taken off) when more; then its KV usage; then, as the hook
         for prefix-cache affinity, a hash of the prompt's first tokens (requests that share
         them prefer one replica when loads tie)."""
         target = _least_loaded(_usable(self.targets), prompt) or _first(self.targets)
@@ -470,7 +471,11 @@ def _least_loaded(ups: list[Upstream], prompt: Sequence[int]) -> Upstream | None
 
     def key(u: Upstream) -> tuple:
         load = u.load if u.load is not None and u.load_age_s < LOAD_FRESH_S else None
-        sequences = max(u.placed, load.sequences if load is not None else 0)
+        # the report counts this gateway's requests as they were then: the ones placed or
+        # ended here since are added or taken off (a report from the last step of requests
+        # that have ended would otherwise count them for LOAD_FRESH_S more)
+        reported = load.sequences + u.placed - u.placed_at_load if load is not None else 0
+        sequences = max(u.placed, reported)
         usage = load.kv_usage if load is not None else 0.0
         digest = hashlib.blake2b(f"{head}|{u.address}".encode(), digest_size=8).digest()
         return sequences, round(usage, 2), digest

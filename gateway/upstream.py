@@ -107,6 +107,7 @@ class Upstream:
         self.placed = 0
         self.load: common_pb2.EngineLoad | None = None
         self._load_at = 0.0
+        self.placed_at_load = 0                 # `placed` when the load was reported
         self.retired = False
 
     def _opener(self, method: str) -> Callable[[], Any]:
@@ -133,6 +134,7 @@ class Upstream:
         """A Prefill's or Verify's report of the replica's load."""
         if response.HasField("load"):
             self.load, self._load_at = response.load, time.monotonic()
+            self.placed_at_load = self.placed
 
     @property
     def load_age_s(self) -> float:

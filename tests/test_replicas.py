@@ -71,6 +71,7 @@ class _Replica:
         self.load = (common_pb2.EngineLoad(sequences=sequences, kv_usage=kv_usage)
                      if sequences is not None else None)
         self.load_age_s = 0.0
+        self.placed_at_load = placed
 
 
 def test_placement_takes_the_least_loaded_then_a_stable_prompt_hash():
@@ -90,6 +91,12 @@ def test_placement_takes_the_least_loaded_then_a_stable_prompt_hash():
     assert all(_least_loaded([e, f], [5, 1, 2]) is _least_loaded([f, e], [5, 1, 2])
                for _ in range(3))                          # one prompt sticks
     assert _least_loaded([], [1]) is None
+    # a report from before this gateway's requests ended counts them no longer
+    g, h = _Replica("g:1", placed=3, sequences=3), _Replica("h:1", placed=1, sequences=1)
+    g.placed = 0                                            # its three ended since the report
+    assert _least_loaded([g, h], [1]) is g
+    g.placed_at_load, g.load.sequences = 0, 5               # five of another gateway's
+    assert _least_loaded([g, h], [1]) is h
 
 
 def test_replicas_must_agree_on_what_a_moved_request_needs():
@@ -185,6 +192,7 @@ def test_a_replica_added_to_a_file_list_takes_new_requests(stack, smollm2_dir, t
         long = [greedy_alone(targets[0].address, p, 80) for p in PROMPTS[:4]]
         streams = _streams(gw, PROMPTS[:4], 80)
         streams.wait_tokens(4)
+        assert _held(targets[0]) > 0 and _held(targets[1]) > 0, "placed on one replica only"
         listing.write_text(f"{targets[1].address}\n")
         assert _tokens(streams, 120) == long
         assert _replicas(gw, "target", "usable") == 1
