@@ -1,14 +1,15 @@
 """python -m bench.invariant_gemm_gpu [--out FILE.json] [--tiny]: the batch-invariant GEMM of
 --deterministic (runtime/layers/invariant_gemm.py) against cuBLAS (F.linear) on one GPU, bf16,
 at the weight shapes of a Qwen3-8B-shaped and a SmolLM2-135M target and the row counts serving
-meets (1: a decode step, 16: a verify block, 128 and 512: batches of them) - issue 38's cost.
+meets (1: a decode step, 16: a verify block, 64 to 512: batches of them) - issue 38's cost.
 
-For every shape and row count: the median ms of cuBLAS, of the shipped tile (`tile_for`) and of
-a few other fixed tiles and K splits (candidates for `tile_for`: they may depend on the
-weight's shape, never on the row count); whether each tile's rows are bitwise the same computed alone (1 row),
-in a block of 16 and in a batch of 512; its largest difference from cuBLAS. The per-model sums
-weight each shape by its layers (the LM head once). --tiny: small shapes on the CPU through
-Triton's interpreter (a smoke test)."""
+For every shape and row count: the median ms of cuBLAS, of the shipped tile (`tile_for`, which
+on a GPU may follow the row count) and of other tiles, K splits and TMA loads (candidates for
+`tile_for`); each tile's largest difference from cuBLAS; whether each tile's rows are bitwise
+the same computed alone (1 row), in a block of 16 and in the largest batch ("invariant"); and
+whether the tiles without a K split agree bitwise with one another at every row count ("family":
+what lets `tile_for` follow the row count). The per-model sums weight each shape by its layers
+(the LM head once). --tiny: small shapes on the CPU through Triton's interpreter (a smoke test)."""
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,15 @@ MODELS = {
                      "down": (576, 1536, 30), "lm_head": (49152, 576, 1)},
 }
 TINY_MODELS = {"tiny": {"qkv": (96, 64, 2), "lm_head": (200, 64, 1)}}
-ROWS, TINY_ROWS = (1, 16, 128, 512), (1, 16, 40)
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, K splits)
-CANDIDATES = [(64, 64, 128, 4, 3, 1), (64, 128, 64, 4, 3, 1), (128, 128, 64, 8, 4, 1),
-              (128, 128, 64, 8, 4, 2), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 3, 4)]
-TINY_CANDIDATES = [(64, 64, 128, 4, 3, 1), (64, 64, 32, 4, 3, 2)]   # one with its K split
+ROWS, TINY_ROWS = (1, 16, 64, 128, 256, 384, 512), (1, 16, 40)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, K splits, TMA)
+CANDIDATES = [(64, 64, 128, 4, 3, 1, False), (64, 64, 64, 4, 4, 1, True),
+              (64, 128, 64, 4, 3, 1, False), (64, 128, 64, 4, 3, 1, True),
+              (128, 128, 64, 8, 3, 1, False), (128, 128, 64, 8, 3, 1, True),
+              (128, 128, 64, 8, 4, 1, True), (128, 256, 64, 8, 3, 1, True),
+              (128, 128, 64, 8, 3, 2, True), (64, 64, 128, 4, 3, 2, False)]
+TINY_CANDIDATES = [(64, 64, 128, 4, 3, 1, False), (64, 64, 32, 4, 3, 2, False),
+                   (32, 64, 32, 4, 3, 1, True)]
 
 
 def run_tile(x, w, tile):
@@ -46,28 +51,49 @@ def run_tile(x, w, tile):
 
 def shape_rows(n: int, k: int, rows: tuple[int, ...], tiles: list, device: str, dtype) -> dict:
     from bench.h200_micro import timed
-    from runtime.layers.invariant_gemm import tile_for
+    from runtime.layers.invariant_gemm import Tile, tile_for
+    gpu = device == "cuda"
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(n, k, generator=g) * k ** -0.5).to(device, dtype)
     x = torch.randn(max(rows), k, generator=g).to(device, dtype)
-    out = {"shipped_tile": list(tile_for(n, k)), "rows": {}}
+    tiles = sorted({Tile(*t) for t in tiles} | {tile_for(n, k, m, gpu) for m in rows})
+    out: dict = {"shipped_tile": {m: str(tile_for(n, k, m, gpu)) for m in rows}, "rows": {},
+                 "errors": {}}
     iters = 3 if device == "cpu" else 20
+    ys: dict = {}                                    # tile -> its full-batch output
+    for tile in list(tiles):
+        try:
+            ys[tile] = run_tile(x, w, tile)
+        except Exception as e:                        # a tile this GPU or Triton cannot build
+            out["errors"][str(tile)] = f"{type(e).__name__}: {e}"[:300]
+            tiles.remove(tile)
     for m in rows:
         xm = x[:m].contiguous()
         ref = F.linear(xm, w)
-        row = {"cublas_ms": timed(lambda xm=xm: F.linear(xm, w), device, 1, iters), "tiles": {}}
+        row = {"cublas_ms": timed(lambda xm=xm: F.linear(xm, w), device, 1, iters), "tiles": {},
+               "shipped": str(tile_for(n, k, m, gpu))}
+        if tile_for(n, k, m, gpu) not in ys:
+            raise RuntimeError(f"the shipped tile {row['shipped']} fails: {out['errors']}")
+        family = [t for t in tiles if t.splits == 1]
+        first = run_tile(xm, w, family[0])
+        row["family_agrees"] = all(torch.equal(run_tile(xm, w, t), first) for t in family)
         for tile in tiles:
             y = run_tile(xm, w, tile)
-            row["tiles"][",".join(map(str, tile))] = {
+            row["tiles"][str(tile)] = {
                 "ms": timed(lambda tile=tile, xm=xm: run_tile(xm, w, tile), device, 1, iters),
-                "max_abs_diff_vs_cublas": float((y.float() - ref.float()).abs().max())}
+                "max_abs_diff_vs_cublas": float((y.float() - ref.float()).abs().max()),
+                "rows_equal_full_batch": bool(torch.equal(y, ys[tile][:m]))}
         out["rows"][m] = row
     for tile in tiles:                     # rows alone / in a block of 16 / in the largest batch
-        full = run_tile(x, w, tile)
         alone = torch.cat([run_tile(x[i:i + 1].contiguous(), w, tile) for i in range(16)])
         block = run_tile(x[:16].contiguous(), w, tile)
-        out.setdefault("invariant", {})[",".join(map(str, tile))] = bool(
-            torch.equal(alone, full[:16]) and torch.equal(block, full[:16]))
+        out.setdefault("invariant", {})[str(tile)] = bool(
+            torch.equal(alone, ys[tile][:16]) and torch.equal(block, ys[tile][:16]))
+    # what --deterministic computes: each row count with its own tile, against the largest batch
+    big = ys.get(tile_for(n, k, max(rows), gpu))
+    out["shipped_invariant"] = big is not None and all(
+        torch.equal(run_tile(x[:m].contiguous(), w, tile_for(n, k, m, gpu)), big[:m])
+        for m in rows)
     return out
 
 
@@ -77,14 +103,18 @@ def _ms(row: dict, key: str) -> float:
 
 def model_sums(shapes: dict, results: dict, rows: tuple[int, ...], tiles: list[str]) -> dict:
     """Per row count: the forward's GEMM milliseconds (each shape times its layers) by cuBLAS,
-    by the shipped tiles (tile_for per shape) and by each candidate tile used for every shape."""
+    by the shipped tiles (tile_for per shape and row count), by the fastest tile per shape
+    ("best") and by each candidate tile used for every shape."""
     sums = {}
     for m in rows:
         def total(key_of, m=m) -> float:
             return round(sum(_ms(results[name]["rows"][m], key_of(name)) * shapes[name][2]
                              for name in shapes), 3)
+        best = {name: min(results[name]["rows"][m]["tiles"].items(), key=lambda t: t[1]["ms"])[0]
+                for name in shapes}
         row = {"cublas_ms": total(lambda name: "cublas_ms"),
-               "shipped_ms": total(lambda name: ",".join(map(str, results[name]["shipped_tile"])))}
+               "shipped_ms": total(lambda name: results[name]["rows"][m]["shipped"]),
+               "best_ms": total(lambda name: best[name]), "best_tiles": best}
         row.update({tile: total(lambda name, tile=tile: tile) for tile in tiles})
         row["shipped_vs_cublas"] = round(row["shipped_ms"] / row["cublas_ms"], 3)
         sums[m] = row
@@ -99,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     tiny_outputs(args, ap, "invariant_gemm_gpu", ("out",))
     if args.tiny:
         os.environ["TRITON_INTERPRET"] = "1"         # before triton's first kernel is built
-    from runtime.layers.invariant_gemm import tile_for
+    from runtime.layers.invariant_gemm import has_tma
     models = TINY_MODELS if args.tiny else MODELS
     rows = TINY_ROWS if args.tiny else ROWS
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
@@ -110,9 +140,14 @@ def main(argv: list[str] | None = None) -> None:
     for model, shapes in models.items():
         results = {}
         for name, (n, k, _) in shapes.items():
-            tiles = sorted({tile_for(n, k), *(TINY_CANDIDATES if args.tiny else CANDIDATES)})
+            tiles = TINY_CANDIDATES if args.tiny else [t for t in CANDIDATES
+                                                        if not t[6] or has_tma()]
             results[name] = shape_rows(n, k, rows, tiles, device, dtype)
-            print(json.dumps({model: name, "invariant": results[name]["invariant"]}), flush=True)
+            r = results[name]
+            print(json.dumps({model: name, "invariant": r["invariant"], "errors": r["errors"],
+                              "shipped_invariant": r["shipped_invariant"],
+                              "family_agrees": {m: row["family_agrees"]
+                                                for m, row in r["rows"].items()}}), flush=True)
         common = set.intersection(*(set(r["rows"][rows[0]]["tiles"]) for r in results.values()))
         result["models"][model] = {"shapes": {k: list(v) for k, v in shapes.items()},
                                    "results": results,

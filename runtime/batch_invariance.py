@@ -10,8 +10,9 @@ tokens share its forward; bf16 rounds those differences into near-ties that fork
 
 What the switch changes, process-wide (the target's and the draft's worker set it at start-up):
   - every linear layer (runtime/layers/linear.py: projections, MLPs, the LM head) runs the
-    Triton GEMM of runtime/layers/invariant_gemm.py, whose tile shape (and K split, if any) is
-    fixed per weight (never by the row count) and which reduces over K in one fixed order;
+    Triton GEMM of runtime/layers/invariant_gemm.py, which reduces each row over K in one fixed
+    order (its K split, if any, fixed per weight; its tile, on a GPU, from one family of tiles
+    that give a row the same bits whatever the row count);
   - the Triton attention kernel runs one token per program in a block of ATTENTION_BLOCK_M
     query rows (its GQA heads, padded), as a one-token decode does, so a row meets the same MMA
     shape and the same key tiles in a decode and in a verify: keys are walked from position 0

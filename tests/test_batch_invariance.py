@@ -41,14 +41,15 @@ def test_gemm_rows_are_the_same_alone_and_in_any_batch(n, k, bias):
     assert invariant_linear(x.view(7, 10, k), w, b).shape == (7, 10, n)     # any leading dims
 
 
-@pytest.mark.parametrize("splits", [2, 3])
-def test_a_split_k_gemm_adds_its_parts_in_a_fixed_order(splits):
+@pytest.mark.parametrize("splits,tma", [(2, False), (3, False), (1, True), (2, True)])
+def test_a_split_k_gemm_adds_its_parts_in_a_fixed_order(splits, tma):
+    """(and the loads through TMA descriptors, the benchmark's candidates)"""
     from runtime.layers.invariant_gemm import launch
     g = torch.Generator().manual_seed(1)
     w = torch.randn(40, 200, generator=g).to(DEVICE)
     b = torch.randn(40, generator=g).to(DEVICE)
     x = torch.randn(33, 200, generator=g).to(DEVICE)
-    tile = (16, 32, 32, 4, 2, splits)                  # K = 200 in parts of 96, 96, 8 / 64..
+    tile = (16, 32, 32, 4, 2, splits, tma)             # K = 200 in parts of 96, 96, 8 / 64..
 
     def gemm(rows):
         y = torch.empty(rows.shape[0], 40, device=DEVICE)
@@ -60,9 +61,25 @@ def test_a_split_k_gemm_adds_its_parts_in_a_fixed_order(splits):
         assert torch.equal(gemm(x[start:start + rows]), full[start:start + rows])
 
 
-def test_tile_depends_on_the_weight_only():
-    assert tile_for(576, 576) == tile_for(576, 576)
-    assert tile_for(49152, 576)[1] >= tile_for(576, 576)[1]   # wide weights: wider tiles
+def test_tile_follows_the_weight_and_on_a_gpu_the_batch_never_the_k_order():
+    assert tile_for(49152, 576).bn >= tile_for(576, 576).bn   # wide weights: wider tiles
+    # the interpreter (numpy's dot per tile): the weight's tile at every row count
+    assert len({tile_for(576, 576, rows, gpu=False) for rows in (1, 16, 512, 4096)}) == 1
+    # a GPU: wider tiles for batches of blocks, from one family (no K split: the same bits)
+    small, big = tile_for(576, 576, 16), tile_for(576, 576, 512)
+    assert big.bm > small.bm and small.splits == big.splits == 1
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the GPU's tile families (MMA steps in K order)")
+@pytest.mark.parametrize("n,k", [(6144, 4096), (3072, 576), (49152, 576)])
+def test_bf16_rows_are_the_same_under_every_tile_a_row_count_picks(n, k):
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(DEVICE, torch.bfloat16)
+    x = torch.randn(600, k, generator=g).to(DEVICE, torch.bfloat16)
+    full = invariant_linear(x, w)                                  # the big-batch tile
+    assert tile_for(n, k, 600) != tile_for(n, k, 16)
+    for start, rows in [(0, 1), (9, 16), (3, 64), (100, 127), (50, 300)]:
+        assert torch.equal(invariant_linear(x[start:start + rows], w), full[start:start + rows])
 
 
 def _worker(model_dir, dtype: str = "float32", graphs: bool = False) -> TargetWorker:
