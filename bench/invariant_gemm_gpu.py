@@ -64,7 +64,7 @@ def shape_rows(n: int, k: int, rows: tuple[int, ...], tiles: list, device: str, 
     for tile in list(tiles):
         try:
             ys[tile] = run_tile(x, w, tile)
-        except Exception as e:                        # a tile this GPU or Triton cannot build
+        except Exception as e:  # noqa: BLE001 - a tile this GPU or Triton cannot build: recorded
             out["errors"][str(tile)] = f"{type(e).__name__}: {e}"[:300]
             tiles.remove(tile)
     for m in rows:
@@ -113,8 +113,8 @@ def model_sums(shapes: dict, results: dict, rows: tuple[int, ...], tiles: list[s
         best = {name: min(results[name]["rows"][m]["tiles"].items(), key=lambda t: t[1]["ms"])[0]
                 for name in shapes}
         row = {"cublas_ms": total(lambda name: "cublas_ms"),
-               "shipped_ms": total(lambda name: results[name]["rows"][m]["shipped"]),
-               "best_ms": total(lambda name: best[name]), "best_tiles": best}
+               "shipped_ms": total(lambda name, m=m: results[name]["rows"][m]["shipped"]),
+               "best_ms": total(lambda name, best=best: best[name]), "best_tiles": best}
         row.update({tile: total(lambda name, tile=tile: tile) for tile in tiles})
         row["shipped_vs_cublas"] = round(row["shipped_ms"] / row["cublas_ms"], 3)
         sums[m] = row
