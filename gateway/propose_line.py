@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Iterable
 
 PROPOSE_WINDOW = 25                     # serving's Proposes the line is fitted through
+SCALE_TRUST = 3                         # serving's Proposes before a dearer level than the
+                                        # prior's is believed (see seed_scale)
 
 
 class ProposeLine:
@@ -33,9 +35,17 @@ class ProposeLine:
 
     @property
     def seed_scale(self) -> float:
-        """What serving's Proposes take against the warm-up's: its own, or before serving timed
-        one of its kind a sibling's (borrow_scale), else 1.0."""
-        return statistics.median(self._ratios) if self._ratios else self._borrowed
+        """What serving's Proposes take against the warm-up's: the median of its own ratios, or
+        before serving timed one of its kind the prior - a sibling's (borrow_scale), else 1.0.
+        Below SCALE_TRUST ratios, a level dearer than the prior's is not believed yet: a dear
+        price stops drafting, and so the timing that would correct it (a cheap one corrects
+        itself: drafting goes on and is timed). On an H200 one request's first tree Propose
+        alone ran 8.6x its warm-up point (a first run) and priced every drafting shape at
+        10-12 ms a step against 3 without drafts for 20 s, until exploration timed one (1.0x)."""
+        if not self._ratios:
+            return self._borrowed
+        measured = statistics.median(self._ratios)
+        return measured if len(self._ratios) >= SCALE_TRUST else min(measured, self._borrowed)
 
     def borrow_scale(self, sibling: ProposeLine) -> None:
         """A line whose seeds serving has not timed yet takes the level of a sibling seeded by

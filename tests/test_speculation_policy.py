@@ -531,8 +531,12 @@ def test_an_untimed_kind_of_propose_takes_the_level_serving_found_for_its_siblin
     assert c.chain_proposes.seed_scale == pytest.approx(scale)
     assert c.propose_cost(3) == pytest.approx(c.propose_overhead_s + 0.0365 * scale, rel=0.05)
     assert c.busy_proposes[False].seed_scale == 1.0                     # busy: untouched
-    c.observe_propose(0.020, 3, forward_s=0.019)                        # its own now
-    assert c.chain_proposes.seed_scale == pytest.approx(0.019 / 0.0365, rel=0.03)
+    from gateway.propose_line import SCALE_TRUST
+    c.observe_propose(0.020, 3, forward_s=0.019)        # its own: dearer than the borrowed
+    assert c.chain_proposes.seed_scale == pytest.approx(scale)          # level: not yet ...
+    for _ in range(SCALE_TRUST - 1):
+        c.observe_propose(0.020, 3, forward_s=0.019)
+    assert c.chain_proposes.seed_scale == pytest.approx(0.019 / 0.0365, rel=0.03)   # ... now
 
 
 def test_drafting_must_promise_a_margin_over_not_drafting():
@@ -613,6 +617,27 @@ def test_the_draft_s_warm_up_curve_follows_serving_s_level_from_the_first_propos
     third = 0.011 / 0.033
     assert c.propose_cost(16) == pytest.approx(c.propose_overhead_s + 0.045 * third, rel=0.05)
     assert c.chain_proposes.seed_scale == pytest.approx(third, rel=0.02)
+
+
+def test_one_dear_first_propose_does_not_price_drafting_out_until_it_is_confirmed():
+    """The H200 at one request: the first tree Propose alone ran 8.6x its warm-up point (a
+    first run), its sibling chain line borrowed that level, and every drafting shape was priced
+    at 10-12 ms a step against 3 without drafts - auto did not draft (so timed nothing to
+    correct it) for 20 s. A dearer level than the prior's counts from SCALE_TRUST Proposes on;
+    a cheaper one (the EPYC's warm-up, above) from the first."""
+    from gateway.propose_line import SCALE_TRUST
+    c = CostModel([(1, 0.003)])
+    seeds = [(8, 0.00075), (64, 0.0009)]
+    c.seed_proposes(seeds, seeds)
+    warm = c.propose_cost(20, tree=True)
+    c.observe_propose(0.010, 12, tree=True, forward_s=0.0065)        # 8.6x: a first run
+    assert c.tree_proposes.seed_scale == c.chain_proposes.seed_scale == 1.0
+    assert c.propose_cost(20, tree=True) - c.propose_overhead_s < 2 * (warm - 0.0)
+    assert c.propose_cost(20) - c.propose_overhead_s < 0.0015             # chains: the warm-up
+    for _ in range(SCALE_TRUST - 1):                                      # confirmed: believed
+        c.observe_propose(0.010, 12, tree=True, forward_s=0.0065)
+    assert c.tree_proposes.seed_scale == pytest.approx(0.0065 / 0.00077, rel=0.05)
+    assert c.chain_proposes.seed_scale == pytest.approx(c.tree_proposes.seed_scale)  # borrowed
 
 
 def test_a_greedy_tree_step_also_counts_for_the_chain_it_contains():
