@@ -13,10 +13,12 @@ What the switch changes, process-wide (the target's and the draft's worker set i
     Triton GEMM of runtime/layers/invariant_gemm.py, which reduces each row over K in one fixed
     order (its K split, if any, fixed per weight; its tile, on a GPU, from one family of tiles
     that give a row the same bits whatever the row count);
-  - the Triton attention kernel runs one token per program in a block of ATTENTION_BLOCK_M
-    query rows (its GQA heads, padded), as a one-token decode does, so a row meets the same MMA
-    shape and the same key tiles in a decode and in a verify: keys are walked from position 0
-    in fixed tiles, and the keys a row may not see add exact zeros;
+  - the Triton attention kernel runs blocks of ATTENTION_BLOCK_M query rows (token x GQA head)
+    whatever the forward holds - a decode's one token, a verify block's 16, a prompt's chunk -
+    so a row meets the same MMA shape and the same key tiles in each: keys are walked from
+    position 0 in fixed tiles, every row of a block does the same operations on its own
+    scores (where it sits in the block changes nothing), and the keys a row may not see (later
+    tokens of its block, positions past the sequence) add exact zeros;
   - a tree of drafts: each node gathers its ancestors' keys in depth order at the positions
     they take once committed (the kernel's PATHS input), instead of reading the block with its
     siblings masked - the tiles and order of the decode of that node after its path.
@@ -30,7 +32,7 @@ import os
 
 log = logging.getLogger("dflash.batch_invariance")
 
-ATTENTION_BLOCK_M = 16            # query rows (token x GQA head) per attention program
+ATTENTION_BLOCK_M = 64            # query rows (token x GQA head) per attention program
 _enabled = [False]
 
 

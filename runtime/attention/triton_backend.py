@@ -98,7 +98,8 @@ class TritonAttentionBackend(AttentionBackend):
         group = self.num_heads // self.num_kv_heads
         self._block_m = self.block_m(max_q_len * group)
         self._group_pad = group
-        if batch_invariance.enabled() and not self.cache.latent_value_dim:  # a token a program
+        if batch_invariance.enabled() and tree is not None and not self.cache.latent_value_dim:
+            # --deterministic trees: a token a program (each gathers its own path's keys)
             self._group_pad = -(-group // self._block_m) * self._block_m
         rows = max_q_len * self._group_pad
         self._grid = (prefix.shape[0], self.num_kv_heads, triton.cdiv(rows, self._block_m))

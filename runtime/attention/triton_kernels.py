@@ -18,8 +18,8 @@ Keys are walked in BLOCK_N steps through the page table with an online softmax (
            token j of its sequence (a verified tree of drafts: its ancestors and itself; parents
            come first, so this stays within the causal bound). Cached keys are all visible.
   GROUP_PAD: query rows per token, GROUP or more (rows past GROUP are idle). --deterministic
-           (runtime/batch_invariance.py) pads the group to the program's BLOCK_M: one token per
-           program, as in a one-token decode, whatever the forward holds.
+           trees (runtime/batch_invariance.py) pad the group to the program's BLOCK_M: one
+           token per program, each reading its own path (PATHS).
   PATHS:   (--deterministic trees) tree int64 [T, W]: row t = [depth, a_0 .. a_depth, -1 ..],
            the block indices of token t's ancestors by depth (itself last). Its keys are the
            cached ones and then those ancestors, gathered at positions prefix + depth: the keys,
