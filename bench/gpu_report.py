@@ -74,16 +74,17 @@ def goals(rows: list[dict], micro: dict) -> list[str]:
     met = lambda ok: "**met**" if ok else "**not met**"
     split = 100 * (1 - c1 / inproc1) if inproc1 else float("nan")
     return [
-        f"- c = 1, forced τ = 6.4, through gRPC ≥ 900 tokens/s: {met(c1 >= 900)} — {c1:,.0f} "
+        (f"- c = 1, forced τ = 6.4, through gRPC ≥ 900 tokens/s: {met(c1 >= 900)} — {c1:,.0f} "
         f"tokens/s (in-process {inproc1:,.0f}); the gRPC split costs {split:.0f} % against "
-        f"in-process (goal ≤ 10 %: {met(split <= 10)}).",
-        f"- our autoregressive path ≥ transformers' `generate` with a static cache at c = 1: "
+        f"in-process (goal ≤ 10 %: {met(split <= 10)})."),
+        (f"- our autoregressive path ≥ transformers' `generate` with a static cache at c = 1: "
         f"{met(ar1 >= tf1)} — {ar1:,.0f} vs {tf1:,.0f} tokens/s (ours through the target "
-        f"service and the gateway; transformers in one process, compiled).",
-        f"- c = 32, forced τ = 6.4, through gRPC ≥ 6 000 tokens/s: {met(c32 >= 6000)} — "
-        f"{c32:,.0f} tokens/s.",
-        f"- Triton verify attention within 1.5× of FlashInfer at context 4 096, B = 16, batch "
-        f"32: {met(tri is not None and fi is not None and tri <= 1.5 * fi)} — {tri} ms vs {fi} ms.",
+        f"service and the gateway; transformers in one process, compiled)."),
+        (f"- c = 32, forced τ = 6.4, through gRPC ≥ 6 000 tokens/s: {met(c32 >= 6000)} — "
+        f"{c32:,.0f} tokens/s."),
+        (f"- Triton verify attention within 1.5× of FlashInfer at context 4 096, B = 16, batch "
+         f"32: {met(tri is not None and fi is not None and tri <= 1.5 * fi)} — {tri} ms vs "
+         f"{fi} ms."),
     ]
 
 
@@ -160,9 +161,9 @@ def markdown(sbs: dict, tf: dict, micro: dict, layer_ops: dict, png: str) -> str
     lines += ttft_lines(sbs)
     lines += ["", ("JSON: `bench/results/gpu/side_by_side_h200.json` (the readiness list below "
                    "too)."), "",
-              "**Readiness on the GPU path** (health transitions the benchmark recorded "
+              ("**Readiness on the GPU path** (health transitions the benchmark recorded "
               "from process start; warm-up = Triton JIT + CUDA-graph capture, readiness waits for "
-              "it):", ""]
+              "it):"), ""]
     lines += health_lines(sbs)
     if layer_ops:
         lines += ["", ("**Fused layer ops** (`python -m bench.gpu_layer_ops --decoder`, "

@@ -176,7 +176,7 @@ def flashinfer_mla_attention(bs: int, ctx: int, block: int, heads: int, lat: int
     per_seq = -(-(ctx + block) // ps)
     ckv = torch.randn(bs * per_seq, ps, lat, dtype=dt, device=dev)
     kpe = torch.randn(bs * per_seq, ps, rope, dtype=dt, device=dev)
-    i32 = dict(dtype=torch.int32, device=dev)
+    i32 = {"dtype": torch.int32, "device": dev}
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
         torch.empty(128 << 20, dtype=torch.uint8, device=dev))
     wrapper.plan(torch.arange(bs + 1, **i32) * block, torch.arange(bs + 1, **i32) * per_seq,
@@ -240,7 +240,7 @@ def target_steps(tdir: Path, device: str, rec: Recorder, batches, blocks, ctx: i
             ids = torch.randint(0, 500, (bs * b,))
             pos = torch.arange(ctx, ctx + b).repeat(bs)
 
-            def eager():
+            def eager(slices=slices, ids=ids, pos=pos):
                 o = w.forward(slices, ids, pos, ())
                 return w.logits(o.hidden).argmax(-1)
             row = {"eager_ms": round(timed(eager, device), 3)}
@@ -304,7 +304,7 @@ def draft_steps(tdir: Path, ddir: Path, device: str, rec: Recorder, batches, ctx
         blocks = [ProposeItem(seq=s, start=ctx, num_new=0, features=None, token_ids=[], anchor=1,
                               block_size=16) for s in seqs]
 
-        def step():
+        def step(blocks=blocks):
             for it in blocks:
                 d.reserve(it)
             return d.propose(blocks)
@@ -322,7 +322,7 @@ def transformers_decode(cfg: dict, device: str, ctx: int, new: int) -> dict:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
     ids = torch.randint(0, 500, (1, ctx), device=device)
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False}
     out = {}
     for impl in ("static", "dynamic"):
         extra = {"cache_implementation": "static"} if impl == "static" else {}

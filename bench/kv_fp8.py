@@ -70,21 +70,22 @@ def markdown(r: dict) -> str:
     m = r["machine"]
     lines = [
         HEADING, "",
-        f"{m['cpu']}, torch {m['torch']}, {r['date']}: `python -m bench.kv_fp8 --dtype {r['dtype']} "
+        (f"{m['cpu']}, torch {m['torch']}, {r['date']}: `python -m bench.kv_fp8 "
+         f"--dtype {r['dtype']} "
         f"--prompts {r['prompts']} --max-tokens {r['max_tokens']}` (results: "
         f"`bench/results/kv_fp8.json`). SmolLM2-135M-Instruct in {r['dtype']}, greedy, held-out "
         f"prompts (eval_unseen, chat template), the target engine in-process; the fp8 cache's "
-        f"scales are 1.0 (the checkpoint has none).", "",
+        f"scales are 1.0 (the checkpoint has none)."), "",
         "| cache | KV bytes per token | identical outputs | mean token agreement | median first difference |",
         "|---|---|---|---|---|",
         f"| {r['dtype']} | {r['bytes_per_token']['auto']} | (reference) | | |",
-        f"| fp8 e4m3 | {r['bytes_per_token']['fp8_e4m3']} | {s['identical']} / {r['prompts']} | "
-        f"{s['mean_agreement']:.3f} | {s['median_first_difference']} |", "",
-        "Reading it: greedy output is a chaotic function of near-ties, so one rounding that flips "
+        (f"| fp8 e4m3 | {r['bytes_per_token']['fp8_e4m3']} | {s['identical']} / {r['prompts']} | "
+        f"{s['mean_agreement']:.3f} | {s['median_first_difference']} |"), "",
+        ("Reading it: greedy output is a chaotic function of near-ties, so one rounding that flips "
         "an argmax changes everything after it; the agreement counts positions, the first "
         "difference says how long outputs stay equal. Speculative decoding with an fp8 cache "
         "stays exact relative to the target as served (its own fp8 output): "
-        "`tests/test_mla_stack.py`."]
+        "`tests/test_mla_stack.py`.")]
     return "\n".join(lines) + "\n"
 
 

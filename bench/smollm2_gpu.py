@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:
         result.update(tiny_fields({"cuda_graphs": NO_CUDA, "triton": NO_CUDA + " (torch backend)",
                                    "bf16": "fp32 on the CPU"}))
-    options = dict(device=args.device, dtype=args.dtype, attention_backend=args.backend,
-                   model_dir=str(model_dir))
+    options = {"device": args.device, "dtype": args.dtype, "attention_backend": args.backend,
+                   "model_dir": str(model_dir)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-smollm2-") as tmp:

@@ -47,7 +47,7 @@ class RopeConfig:
     partial_rotary_factor: float = 1.0
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> "RopeConfig":
+    def from_hf(cfg: dict[str, Any]) -> RopeConfig:
         # transformers 5 folds rope_theta into `rope_parameters`; 4.x keeps `rope_theta` + `rope_scaling`.
         params = dict(cfg.get("rope_parameters") or {})
         scaling = dict(cfg.get("rope_scaling") or {})
@@ -121,7 +121,7 @@ class ModelConfig:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu only)")
 
     @staticmethod
-    def from_dict(cfg: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "")
         if model_type not in ARCHITECTURES:
             raise ValueError(f"model_type {model_type!r} is not supported; "
@@ -158,7 +158,7 @@ class ModelConfig:
         )
 
     @staticmethod
-    def from_dir(path: str | Path) -> "ModelConfig":
+    def from_dir(path: str | Path) -> ModelConfig:
         return ModelConfig.from_dict(read_config_json(path))
 
 

@@ -33,7 +33,7 @@ def iter_tensors(path: str | Path, names: set[str] | None = None
     """(name, tensor) over a checkpoint directory; only `names` when given (others never read)."""
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 if names is None or name in names:
                     yield name, f.get_tensor(name)
 

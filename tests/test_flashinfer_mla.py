@@ -9,10 +9,10 @@ pytest.importorskip("flashinfer")
 if not torch.cuda.is_available():
     pytest.skip("FlashInfer needs CUDA", allow_module_level=True)
 
-from runtime.attention.flashinfer_backend import FlashInferAttentionBackend  # noqa: E402
-from runtime.attention.metadata import AttentionMetadata, SeqSlice  # noqa: E402
-from runtime.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from runtime.kv_cache import PagedKVCache, PageTable  # noqa: E402
+from runtime.attention.flashinfer_backend import FlashInferAttentionBackend
+from runtime.attention.metadata import AttentionMetadata, SeqSlice
+from runtime.attention.torch_backend import TorchAttentionBackend
+from runtime.kv_cache import PagedKVCache, PageTable
 
 
 @pytest.mark.parametrize("nh,lat,rope", [(16, 512, 64), (128, 512, 64)])

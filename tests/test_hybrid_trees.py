@@ -13,7 +13,7 @@ from support.gateway_stack import start_gateway
 from support.hybrid import hf_greedy, hf_model, make_tiny_hybrid
 from support.procs import start_target
 
-from dflash.harness import HookFlags
+from dflash.harness import NO_HOOK_FLAGS, HookFlags
 from runtime.tokenizer import ChatTokenizer
 from services.draft.prompt_lookup import propose_ngram, propose_ngram_tree
 
@@ -52,7 +52,8 @@ def draft(model_dir, logs):
     assert proc.stop() == 0
 
 
-def run(model_dir, logs, draft, prompt, hooks: HookFlags = HookFlags()) -> tuple[list[int], list]:
+def run(model_dir, logs, draft, prompt, hooks: HookFlags = NO_HOOK_FLAGS
+        ) -> tuple[list[int], list]:
     target = start_target(model_dir, logs, *TARGET_FLAGS, hooks=hooks)
     gateway = start_gateway(target.address, model_dir, logs, "--speculation", "fixed",
                             "--spec-tree-nodes", str(NODES), draft=draft.address)

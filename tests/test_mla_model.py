@@ -32,11 +32,11 @@ IDS = [1, 17, 42, 99, 7, 3, 250, 18, 64, 5, 77, 120, 33, 9, 201, 45, 8, 150, 6, 
 # V3 with the rotary dims not interleaved, V3 with norm_topk_prob off and attention biases
 VARIANTS = {
     "v2": (2, {}),
-    "v2-greedy-all-moe": (2, dict(topk_method="greedy", first_k_dense_replace=0, n_group=None,
-                                  topk_group=None)),
+    "v2-greedy-all-moe": (2, {"topk_method": "greedy", "first_k_dense_replace": 0, "n_group": None,
+                                  "topk_group": None}),
     "v3": (3, {}),
-    "v3-no-interleave": (3, dict(rope_interleave=False)),
-    "v3-unnormalised-bias": (3, dict(norm_topk_prob=False, attention_bias=True)),
+    "v3-no-interleave": (3, {"rope_interleave": False}),
+    "v3-unnormalised-bias": (3, {"norm_topk_prob": False, "attention_bias": True}),
 }
 
 

@@ -29,15 +29,17 @@ LINEAR = {"rope_type": "linear", "factor": 2.0}
 
 # name -> (family, overrides). Every variant has GQA (4 query heads over 2 kv heads) unless named mha.
 VARIANTS: dict[str, tuple[str, dict]] = {
-    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
-    "llama-untied-linear": ("llama", dict(tie_word_embeddings=False, rope_scaling=LINEAR)),
-    "llama-llama3-biases": ("llama", dict(tie_word_embeddings=False, attention_bias=True,
-                                          mlp_bias=True, rope_scaling=LLAMA3)),
-    "qwen2-untied": ("qwen2", dict(tie_word_embeddings=False)),
-    "qwen2-tied-yarn": ("qwen2", dict(tie_word_embeddings=True, rope_scaling=YARN)),
-    "qwen3-untied": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
-    "qwen3-tied-yarn": ("qwen3", dict(head_dim=32, tie_word_embeddings=True, rope_scaling=YARN)),
-    "qwen3-mha": ("qwen3", dict(head_dim=24, num_key_value_heads=4, tie_word_embeddings=False)),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-untied-linear": ("llama", {"tie_word_embeddings": False, "rope_scaling": LINEAR}),
+    "llama-llama3-biases": ("llama", {"tie_word_embeddings": False, "attention_bias": True,
+                                          "mlp_bias": True, "rope_scaling": LLAMA3}),
+    "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
+    "qwen2-tied-yarn": ("qwen2", {"tie_word_embeddings": True, "rope_scaling": YARN}),
+    "qwen3-untied": ("qwen3", {"head_dim": 32, "tie_word_embeddings": False}),
+    "qwen3-tied-yarn": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True,
+                                  "rope_scaling": YARN}),
+    "qwen3-mha": ("qwen3", {"head_dim": 24, "num_key_value_heads": 4,
+                            "tie_word_embeddings": False}),
 }
 SCALED = [name for name, (_, kw) in VARIANTS.items() if "rope_scaling" in kw]
 IDS = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(7)).tolist()

@@ -4,6 +4,8 @@ synthetic models: cheap verifies make longer blocks win, expensive verifies or l
 shorter ones, load makes no drafting win; the models learn from observations."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from gateway.acceptance_model import CHAIN, AcceptanceModel, ServiceAcceptance
@@ -557,7 +559,7 @@ def test_a_draft_context_backlog_is_priced_and_its_catch_up_spread_over_later_st
     while one with many tokens left pays the catch-up over CATCH_UP_STEPS steps and drafts;
     in steady state (a backlog of about one step's tokens) it drafts as before."""
     curve = [(1, 0.020), (2, 0.022), (4, 0.026), (8, 0.034), (16, 0.050)]
-    limits = dict(max_chain=3, max_tree=0, tree_depth=3)
+    limits = {"max_chain": 3, "max_tree": 0, "tree_depth": 3}
 
     def decide(**extra) -> Shape:
         policy = SpeculationPolicy(curve)
@@ -597,7 +599,7 @@ def test_exploration_costs_at_most_its_share_of_serving_time():
         if i == 100:
             now[0] += 60.0                              # nobody ran for a minute
     assert explored[0] == sp.EXPLORE_EVERY - 1
-    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(explored)]
     assert gaps and all(g >= 2 * sp.EXPLORE_EVERY for g in gaps)
     budget = policy.budget
     assert budget.spent <= EXPLORE_SHARE * budget.elapsed + 0.180

@@ -312,7 +312,7 @@ def test_top_k_and_top_p(block_probs, client, greedy_ref):
     assert torch.allclose(kept, torch.cat([full[:3] / full[:3].sum(), torch.zeros(2)]))
     # on the server, top_k=1 or a tiny top_p turn sampling into greedy decoding
     g = greedy_ref
-    for params in (dict(top_k=1), dict(top_p=1e-6)):
+    for params in ({"top_k": 1}, {"top_p": 1e-6}):
         for seed in (1, 2):
             s = common_pb2.SamplingParams(temperature=1.0, seed=seed, **params)
             assert client.prefill("topk", PROMPT, s).next_token == g[0]

@@ -46,7 +46,7 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
            "--concurrency", "16", "--seed", "1", "--sampled-temperature", "0.7",
            "--samples-per-prompt", "2", "--follow-ups", "2", "--soft-labels", "0.5",
            "--reach-weight", "0.5", "--init-from-target", "--loop-hops", "2", "--layer-passes", "2"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "training.json").read_text())
     losses = [h["loss"] for h in summary["history"]]

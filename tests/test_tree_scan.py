@@ -19,6 +19,7 @@ from runtime.layers.tree_scan import (
 
 # rows 1, 2 children of the anchor; 3, 4 of row 2; 5 of row 4; 6 of row 1
 TREE = [-1, 0, 0, 2, 2, 4, 1]
+NODES = len(TREE)
 
 
 def path_of(parents: list[int], row: int) -> list[int]:
@@ -38,7 +39,7 @@ def test_parents_and_masks_round_trip_and_a_chain_reads_consecutive_inputs():
     assert taps.tolist() == [[j, j + 1, j + 2, j + 3] for j in range(5)]
 
 
-def conv_inputs(b=2, L=len(TREE), C=6, K=4, seed=0):
+def conv_inputs(b=2, L=NODES, C=6, K=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(b, C, K - 1, generator=g), torch.randn(b, L, C, generator=g),
             torch.randn(C, 1, K, generator=g), torch.randn(C, generator=g))
@@ -64,7 +65,7 @@ def test_tree_conv_follows_each_rows_path():
             torch.testing.assert_close(windows[b, t], ref_window[0])
 
 
-def ssd_inputs(b=2, L=len(TREE), nh=3, hd=4, N=5, seed=1):
+def ssd_inputs(b=2, L=NODES, nh=3, hd=4, N=5, seed=1):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, L, nh, hd, generator=g)
     dt = torch.rand(b, L, nh, generator=g) * 0.5 + 0.1

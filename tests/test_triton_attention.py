@@ -7,10 +7,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from runtime.attention.metadata import AttentionMetadata, SeqSlice  # noqa: E402
-from runtime.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from runtime.kv_cache import PagedKVCache, PageTable  # noqa: E402
+from runtime.attention.metadata import AttentionMetadata, SeqSlice
+from runtime.attention.torch_backend import TorchAttentionBackend
+from runtime.attention.triton_backend import TritonAttentionBackend
+from runtime.kv_cache import PagedKVCache, PageTable
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -63,22 +63,24 @@ def write_card(draft_dir: Path, summary: dict) -> None:
     lines = [
         "# DFlash drafter for SmolLM2-135M-Instruct",
         "",
-        "A block-diffusion drafter in z-lab's DFlash checkpoint format (config.json with "
-        "`dflash_config`, model.safetensors), trained by this project with `dflash train-draft`.",
+        ("A block-diffusion drafter in z-lab's DFlash checkpoint format (config.json with "
+        "`dflash_config`, model.safetensors), trained by this project with `dflash train-draft`."),
         "",
-        f"- layers: {cfg['num_layers']}{_ffn(cfg)}, block size: {cfg['block_size']}, tapped target "
-        f"layers: {summary['target_layer_ids']}, mask token id: {cfg['mask_token_id']}",
-        f"- data: {summary['num_train_examples']} answers of the target itself to "
+        (f"- layers: {cfg['num_layers']}{_ffn(cfg)}, block size: {cfg['block_size']}, "
+         f"tapped target "
+        f"layers: {summary['target_layer_ids']}, mask token id: {cfg['mask_token_id']}"),
+        (f"- data: {summary['num_train_examples']} answers of the target itself to "
         f"{summary['num_train_prompts'] - summary.get('num_self_written', 0)} training prompts "
         f"of `data/prompts/train.jsonl`"
         f"{_self_written(summary)} ({_second_turns(summary)}answers per temperature: "
-        f"{summary.get('answers_by_temperature', {})})",
+        f"{summary.get('answers_by_temperature', {})})"),
         f"- labels: {'the target greedy chain from each anchor' if cfg.get('greedy_labels', True) else 'the answer tokens'}",
-        f"- recipe: {_start(cfg)}random anchors in the answer{_window(cfg)}{_hops(cfg)}, block [anchor, MASK x "
+        (f"- recipe: {_start(cfg)}random anchors in the answer{_window(cfg)}{_hops(cfg)}, "
+         f"block [anchor, MASK x "
         f"{cfg['block_size'] - 1}], "
         f"CE on positions 1..B-1{_soft(cfg)} weighted exp(-(k-1)/{cfg['gamma']}){_reach(cfg)}; AdamW lr {cfg['lr']} "
         f"cosine, {cfg['steps']} steps x {cfg['batch_sequences']} sequences x "
-        f"{cfg['blocks_per_sequence']} blocks, bf16 autocast, clip {cfg['grad_clip']}",
+        f"{cfg['blocks_per_sequence']} blocks, bf16 autocast, clip {cfg['grad_clip']}"),
         f"- training time: {summary['train_seconds']} s",
         f"- command: `{summary.get('command', '')}`",
         "",

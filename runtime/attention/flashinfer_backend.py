@@ -51,7 +51,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         for n in pages:
             cu_p.append(cu_p[-1] + n)
         last = [n - (p - 1) * meta.page_size for n, p in zip(kv_lens, pages)]
-        i32 = dict(dtype=torch.int32, device=device)
+        i32 = {"dtype": torch.int32, "device": device}
         self._plan_args = (torch.tensor(cu_q, **i32), torch.tensor(cu_p, **i32),
                            torch.tensor(indices, **i32), torch.tensor(last, **i32))
         self._kv_lens = torch.tensor(kv_lens, **i32)

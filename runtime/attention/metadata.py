@@ -63,7 +63,7 @@ class AttentionMetadata:
 
     @staticmethod
     def build(seqs: list[SeqSlice], cache: PagedKVCache, causal: bool = True,
-              device: torch.device | str = "cpu") -> "AttentionMetadata":
+              device: torch.device | str = "cpu") -> AttentionMetadata:
         slots: list[int] = []
         for s in seqs:
             slots.extend(cache.slots(s.table, s.prefix_len, s.prefix_len + s.q_len))

@@ -354,7 +354,7 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes
 

@@ -43,7 +43,7 @@ class ProposeCurves:
 async def calibrate(engine: DraftEngine, drafter: Drafter) -> ProposeCurves:
     try:
         curves = await _measure(engine, drafter)
-    except Exception:  # noqa: BLE001 - start-up goes on without a curve
+    except Exception:                   # start-up goes on without a curve
         log.exception("propose cost calibration failed; the gateway will time Proposes itself")
         return ProposeCurves()
     finally:

@@ -195,8 +195,9 @@ def _chunks(request: draft_pb2.ProposeRequest, facts: DrafterFacts, rows: int,
 
 
 def capabilities(facts: DrafterFacts, lease_seconds: float, transports: Sequence[str] = (),
-                 prefix_caching: bool = False, propose_cost: ProposeCurves = ProposeCurves(),
+                 prefix_caching: bool = False, propose_cost: ProposeCurves | None = None,
                  page_size: int = 0) -> draft_pb2.DraftCapabilities:
+    propose_cost = propose_cost or ProposeCurves()
     t = facts.target
     return draft_pb2.DraftCapabilities(
         protocol_version=PROTOCOL_VERSION, drafter_kind=facts.kind, block_size=facts.block_size,

@@ -22,7 +22,7 @@ class ReferenceDFlash:
         tw: dict[str, torch.Tensor] = {}
         for f in sorted(target_dir.glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as fh:
-                tw.update({n: fh.get_tensor(n) for n in fh.keys() if n in wanted})
+                tw.update({n: fh.get_tensor(n) for n in fh.keys() if n in wanted})  # noqa: SIM118
         self.embed = tw["model.embed_tokens.weight"].float()
         self.lm_head = self.embed if target_cfg.get("tie_word_embeddings") else tw["lm_head.weight"].float()
         c = self.cfg

@@ -43,7 +43,7 @@ class ServiceProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> ServiceProcess:
-        self.log_file = open(self.log_path, "w")
+        self.log_file = open(self.log_path, "w")  # noqa: SIM115 - open while the process runs
         self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", self.module, *self.args],
                                      cwd=REPO, env=self.env, stdout=self.log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True)

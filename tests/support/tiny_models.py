@@ -5,9 +5,9 @@ from pathlib import Path
 
 import torch
 
-TINY_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                   bos_token_id=1, eos_token_id=2)
+TINY_COMMON = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "max_position_embeddings": 1024, "bos_token_id": 1, "eos_token_id": 2}
 
 
 TINY_VOCAB = TINY_COMMON["vocab_size"]
