@@ -29,6 +29,7 @@ model: $(STAMP) proto
 	$(VPY) -m dflash.cli prepare-model smollm2-135m-instruct --dtype float32 --dtype bfloat16
 
 test: $(STAMP) proto model
+	$(VPY) -m ruff check .              # lint first: seconds, and a finding fails the run
 	bash deploy/install-test-tools.sh   # Debian's prometheus and docker-compose (tests use them)
 	$(VPY) -m pytest -q -ra $(PYTEST_ARGS)
 
