@@ -79,13 +79,19 @@ def gateways(smollm2_dir, dflash_dir, target, inband_target, stream_target, logs
     "dflash-inband" gets them in messages."""
     dflash = start_draft(smollm2_dir, logs, model_dir=dflash_dir)
     lookup = start_draft(smollm2_dir, logs, "--drafter", "prompt-lookup")
+    # fixed sizes: every step drafts, whatever the machine's load (auto may price drafting out
+    # on a busy CPU, and then a drafter's exactness is not what runs; auto's own output is
+    # checked in tests/test_adaptive_speculation.py)
+    fixed = ("--speculation", "fixed")
     gws = {"autoregressive": start_gateway(target.address, smollm2_dir, logs),
-           "dflash": start_gateway(target.address, smollm2_dir, logs, draft=dflash.address),
-           "dflash-inband": start_gateway(inband_target.address, smollm2_dir, logs,
+           "dflash": start_gateway(target.address, smollm2_dir, logs, *fixed,
+                                   draft=dflash.address),
+           "dflash-inband": start_gateway(inband_target.address, smollm2_dir, logs, *fixed,
                                           draft=dflash.address),
-           "dflash-stream": start_gateway(stream_target.address, smollm2_dir, logs,
+           "dflash-stream": start_gateway(stream_target.address, smollm2_dir, logs, *fixed,
                                           draft=dflash.address),
-           "prompt-lookup": start_gateway(target.address, smollm2_dir, logs, draft=lookup.address)}
+           "prompt-lookup": start_gateway(target.address, smollm2_dir, logs, *fixed,
+                                          draft=lookup.address)}
     yield gws
     for p in [*gws.values(), dflash, lookup]:
         p.stop()

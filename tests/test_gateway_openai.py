@@ -6,7 +6,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from support.draft_service import start_draft
-from support.gateway_stack import GreedyReference, start_gateway
+from support.gateway_stack import GreedyReference, start_gateway, wait_until
 from support.procs import free_port, start_target
 
 from runtime.tokenizer import ChatTokenizer
@@ -343,7 +343,6 @@ def kv_usage(port: int) -> float:
 
 
 def assert_released(stack) -> None:
-    from support.gateway_stack import wait_until
     target, draft, _ = stack
     wait_until(lambda: sequences(target.metrics_port) == 0 and sequences(draft.metrics_port) == 0,
                timeout=20, what="sequences released on target and draft")
@@ -361,7 +360,9 @@ def test_http_stream_disconnect_releases(stack):
         got = 0
         while got < 4:
             got += next(lines).startswith("data:")
-        assert sequences(target.metrics_port) == 1 and sequences(draft.metrics_port) == 1
+        wait_until(lambda: sequences(target.metrics_port) == 1
+                   and sequences(draft.metrics_port) == 1, timeout=20,
+                   what="the stream's sequence held on target and draft")
     assert_released(stack)
 
 
