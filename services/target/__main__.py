@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--graph-block-sizes", "1,16", _int_list, "verify block sizes captured as graphs")
     flags.add(p, "--graph-tree-sizes", "16,64", _int_list, "tree verifies (anchor + drafts) "
               "captured as graphs (trees of other sizes run eagerly)")
+    flags.add(p, "--graph-prefill-sizes", "32,64,128,256,512", _int_list, "prompt chunks "
+              "captured as graphs for one sequence: a lone chunk is padded to the smallest that "
+              "holds it (sizes above --token-budget are not captured; empty: none)")
     flags.add(p, "--graph-capture-layers", "", _int_list,
               "feature layers the graphed verify returns (the drafter's target_layer_ids)")
     flags.add(p, "--verify-state-slots", -1, int, "hybrid models: sequences that can verify blocks "
@@ -90,7 +93,8 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         token_budget=args.token_budget, lease_seconds=args.lease_seconds,
         state_slots=args.state_slots, model_id=args.model_id,
         cuda_graphs=not args.no_cuda_graphs, graph_block_sizes=args.graph_block_sizes,
-        graph_tree_sizes=args.graph_tree_sizes, graph_capture_layers=args.graph_capture_layers,
+        graph_tree_sizes=args.graph_tree_sizes, graph_prefill_sizes=args.graph_prefill_sizes,
+        graph_capture_layers=args.graph_capture_layers,
         verify_state_slots=args.verify_state_slots, cpu_gemm=args.cpu_gemm,
         feature_plane=args.feature_plane, feature_plane_mib=args.feature_plane_mib,
         cost_calibration_s=args.cost_calibration_s, prefix_caching=args.enable_prefix_caching,

@@ -83,10 +83,11 @@ class BatchPlan:
 
     @staticmethod
     def build(items: list[Scheduled], pad_to: int = 0) -> BatchPlan:
-        """pad_to: every item is a chain verify of at most pad_to tokens; each runs pad_to rows
-        (its block, then copies of its last token at the next positions: causal attention keeps
-        them out of the real rows, their K/V lands past the committed length and is trimmed
-        with the rejected drafts'), so that the batch fits one captured graph."""
+        """pad_to: every item is a chain verify of at most pad_to tokens, or the batch is one
+        prompt chunk; each runs pad_to rows (its tokens, then copies of its last token at the
+        next positions: causal attention keeps them out of the real rows, their K/V lands past
+        the committed length - trimmed with the rejected drafts', or where the prompt's next
+        chunk writes its own), so that the batch fits one captured graph."""
         parts, ids, positions, slices, logit_rows = [], [], [], [], []
         capture = BatchPlan.capture_of(items)
         for item in items:

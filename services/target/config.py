@@ -33,6 +33,9 @@ class TargetConfig:
     cuda_graphs: bool = True           # capture verify forwards during warm-up (CUDA + triton)
     graph_block_sizes: tuple[int, ...] = (1, 16)
     graph_tree_sizes: tuple[int, ...] = (16, 64)   # tree verifies (anchor + drafts) captured as graphs
+    # a lone prompt chunk padded to the smallest of these and run as a graph (sizes above
+    # token_budget are not captured): eagerly, a short prefill is kernel launches
+    graph_prefill_sizes: tuple[int, ...] = (32, 64, 128, 256, 512)
     graph_capture_layers: tuple[int, ...] = ()   # feature layers the graphs return (the drafter's)
     # hybrid: sequences that can verify blocks of 2+ tokens (-1 = state_slots); see runtime/state_pool.py
     verify_state_slots: int = -1

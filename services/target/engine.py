@@ -84,23 +84,35 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         """The block every item of a chain-verify batch is padded to, so that the batch runs as
         one captured graph instead of eagerly (0: as it is). A request's last steps verify short
         blocks (its remaining tokens), and one short block used to send its whole batch down
-        the eager path. Needs the padded positions' pages (taken from the free pool, trimmed
-        with the rejected drafts') and room in the context."""
+        the eager path. A lone prompt chunk likewise (eagerly, a short prefill on a GPU is
+        mostly kernel launches: ~25 ms for SmolLM2 on an H200 whatever its length); not a
+        hybrid model's, whose recurrent state would run the padding."""
+        if len(items) == 1 and not items[0].is_verify:
+            item = items[0]
+            pad = 0 if self.worker.facts.hybrid else self.worker.prefill_block(
+                item.n, BatchPlan.capture_of(items))
+            return pad if pad > item.n and self._room_for(items, pad) else 0
         if not all(i.is_verify and i.verify.tree is None for i in items):
             return 0
         longest = max(i.n for i in items)
         pad = self.worker.padded_block(len(items), longest, BatchPlan.capture_of(items))
         if pad <= longest and all(i.n == longest for i in items):
             return 0                                   # runs as one graph already (or none fits)
+        return pad if self._room_for(items, pad) else 0
+
+    def _room_for(self, items: list[Scheduled], pad: int) -> bool:
+        """Whether every item can run `pad` rows from its start: room in the context, and the
+        padded positions' pages (taken from the free pool; a verify's trimmed with its rejected
+        drafts', a prompt's once its last chunk ran)."""
         kv, max_ctx = self.worker.kv_cache, self.worker.facts.max_context
-        if any(i.seq.seq_len + pad > max_ctx for i in items):
-            return 0
+        if any(i.start + pad > max_ctx for i in items):
+            return False
         try:
             for i in items:
-                kv.ensure(i.seq.table, i.seq.seq_len + pad)
+                kv.ensure(i.seq.table, i.start + pad)
         except OutOfPages:
-            return 0                   # the pages taken stay until this verify's trim
-        return pad
+            return False               # the pages taken stay until that trim
+        return True
 
     @torch.inference_mode()           # acceptance edits the (inference-mode) logits in place
     def _run(self, plan: BatchPlan) -> None:
@@ -251,6 +263,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         work.done_tokens += item.n
         seq.seq_len = work.done_tokens
         seq.touch()
+        self.worker.kv_cache.trim(seq.table, len(item.prefill.token_ids))  # a padded chunk's extra
         self.worker.kv_cache.cache_full_pages(seq.table, seq.tokens, seq.seq_len)
         if not finished:
             return

@@ -30,6 +30,7 @@ class TargetHooks(ServiceHooks):
     fail_tensor_parallel_rank: int = 0   # tests: this follower rank (1..) raises at start-up
     pad_verify_to: tuple[int, ...] = ()   # tests: pad chain verify blocks as if CUDA graphs of
                                        # these sizes were captured (the padding runs on the CPU)
+    pad_prefill_to: tuple[int, ...] = ()  # tests: the same for a lone prompt chunk
 
 
 NO_TARGET_HOOKS = TargetHooks()        # what a deployment runs with

@@ -97,6 +97,7 @@ class TargetWorker:
         self._need_mamba_verify_commit: bool | None = None
         self._graphs: dict[tuple[int, tuple[int, ...]], object] = {}
         self._tree_graphs: dict[tuple[int, tuple[int, ...]], object] = {}
+        self._prefill_graphs: dict[tuple[int, tuple[int, ...]], object] = {}   # one sequence
         self.verify_cost = CostCurves()  # verify time by batch tokens, measured at warm-up
                                          # (services/target/cost_calibration.py); empty = none
         self.stage = "loaded"
@@ -317,6 +318,8 @@ class TargetWorker:
             backend = self._tree_backend
         graphs = self._tree_graphs if trees else self._graphs
         runner = self._graph_for(slices, capture_layers, graphs)
+        if runner is None and not trees and len(slices) == 1:        # a prompt chunk
+            runner = self._graph_for(slices, capture_layers, self._prefill_graphs)
         if runner is not None:
             with torch.inference_mode():
                 return runner.run(slices, input_ids, positions)     # host tensors, packed there
@@ -331,7 +334,8 @@ class TargetWorker:
     # -- CUDA graphs (warm-up) ---------------------------------------------------------------
     def capture_cuda_graphs(self) -> None:
         """Captures verify forwards for each configured block size (and the configured feature
-        layers) at bucketed batch sizes. Eager fallback: not on CUDA, a hybrid model, a model
+        layers) at bucketed batch sizes, and one sequence's prompt chunks at each prefill size
+        (within the token budget). Eager fallback: not on CUDA, a hybrid model, a model
         whose forward syncs with the host (mixture-of-experts routing), a backend that cannot
         bind static buffers (torch, flashinfer), or --no-cuda-graphs. Tensor-parallel followers
         capture the same graphs at the same time (their all-reduces pair inside them)."""
@@ -363,7 +367,13 @@ class TargetWorker:
                                          self.facts.max_context, causal=True, tree=True)
                     runner.capture()
                     self._tree_graphs[(q, layers)] = runner
+                for q in self._prefill_sizes():
+                    runner = GraphRunner(forward, backend, self.kv_cache, q,
+                                         self.facts.max_context, causal=True, buckets=(1,))
+                    runner.capture()
+                    self._prefill_graphs[(q, layers)] = runner
         log.info("cuda graphs ready", extra={"block_sizes": cfg.graph_block_sizes,
+                                             "prefill_sizes": self._prefill_sizes(),
                                              "tree_sizes": sorted({q for q, _ in self._tree_graphs}),
                                              "capture_layers": layer_sets})
 
@@ -382,6 +392,20 @@ class TargetWorker:
             q for (q, layers), runner in self._graphs.items()
             if layers == tuple(capture_layers) and runner.bucket(batch) is not None]
         return min((q for q in sizes if q >= longest), default=0)
+
+    def _prefill_sizes(self) -> list[int]:
+        """The prompt chunk sizes to capture: within the token budget, not a verify block's."""
+        cfg = self.config
+        return sorted({q for q in cfg.graph_prefill_sizes
+                       if q <= cfg.token_budget and q not in cfg.graph_block_sizes})
+
+    def prefill_block(self, rows: int, capture_layers: tuple[int, ...]) -> int:
+        """The size a lone prompt chunk of `rows` tokens is padded to, so that it runs as a
+        captured graph: the smallest captured prefill size that holds it (0: none; it runs as it
+        is). Tests pad on the CPU through TargetHooks.pad_prefill_to."""
+        sizes = self.hooks.pad_prefill_to or [
+            q for q, layers in self._prefill_graphs if layers == tuple(capture_layers)]
+        return min((q for q in sizes if q >= rows), default=0)
 
     def _graph_for(self, slices: list[SeqSlice], capture_layers: tuple[int, ...], graphs: dict):
         """The captured runner for this batch, or None (eager): every sequence must append the

@@ -1,0 +1,90 @@
+"""A lone prompt chunk padded to a captured prefill graph's size (docs/architecture.md §6): on a
+GPU an eager short prefill is mostly kernel launches, so a chunk runs padded to the smallest
+captured size that holds it. Here TargetHooks.pad_prefill_to pads on the CPU, so the padding
+itself - rows, positions, pages, the chunk's features and first token - is checked against the
+same engine without it: short prompts, prompts chunked by the token budget (a middle chunk's
+padding lands where the next chunk writes), a prompt behind a cached prefix, the verifies that
+follow, and every page back at the end."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from runtime.sampling import SamplingConfig
+from services.target.config import TargetConfig
+from services.target.engine import PrefillCall, TargetEngine
+from services.target.hooks import TargetHooks
+from services.target.worker import TargetWorker
+
+LAYERS = (1, 3)
+SYSTEM = [(7 * i) % 200 + 3 for i in range(40)]     # a shared prefix of 10 full pages
+PROMPTS = [list(range(3, 8)), list(range(5, 36)), list(range(9, 42)), list(range(4, 68)),
+           list(range(2, 100)), SYSTEM + [11, 12, 13], SYSTEM + [21, 22, 23, 24, 25]]
+
+
+def _engine(model_dir, hooks: TargetHooks) -> TargetEngine:
+    worker = TargetWorker.started(TargetConfig(
+        str(model_dir), kv_budget_bytes=8 << 20, page_size=4, max_block_size=16,
+        token_budget=48, prefix_caching=True), hooks)
+    engine = TargetEngine(worker)
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_02_dir):
+    plain = _engine(tiny_llama_02_dir, TargetHooks())
+    padded = _engine(tiny_llama_02_dir, TargetHooks(pad_prefill_to=(16, 32, 48)))
+    yield plain, padded
+    plain.stop()
+    padded.stop()
+
+
+async def _run(engine: TargetEngine) -> list:
+    """Each prompt alone (so each chunk is a lone prefill), then two verifies of its anchor;
+    what each returned and the pages its sequence held."""
+    seen = []
+    for i, prompt in enumerate(PROMPTS):
+        seq = f"p{i}"
+        held = len(SYSTEM) if i == len(PROMPTS) - 1 else 0     # the draft holds the prefix
+        r = await engine.prefill(PrefillCall(seq, prompt, SamplingConfig(), LAYERS,
+                                             torch.float32, features_from=held))
+        seen.append((r.next_token, r.seq_len, r.cached_tokens, r.features,
+                     len(engine.seqs[seq].table.pages)))
+        anchor = r.next_token
+        for _ in range(2):
+            v = await engine.verify(seq, [anchor, (anchor + 1) % 200 + 3])
+            seen.append((v.committed, v.seq_len, v.features, len(engine.seqs[seq].table.pages)))
+            anchor = v.committed[-1]
+        await engine.release(seq)
+    return seen
+
+
+def test_padded_prompt_chunks_equal_unpadded(engines):
+    plain, padded = engines
+    t0, t1 = plain.stats.tokens, padded.stats.tokens
+    expected = asyncio.run(_run(plain))
+    got = asyncio.run(_run(padded))
+    assert padded.stats.tokens - t1 > plain.stats.tokens - t0          # padding really ran
+    assert len(got) == len(expected) == 3 * len(PROMPTS)
+    for e, g in zip(expected, got):
+        assert len(e) == len(g)
+        for a, b in zip(e, g):
+            if isinstance(a, torch.Tensor):
+                assert a.shape == b.shape
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            else:
+                assert a == b
+    assert got[-3][2] == expected[-3][2] == len(SYSTEM)    # the prefix came from the cache
+    assert padded.worker.kv_cache.usage() == 0
+
+
+def test_sizes_padding_picks_and_what_is_not_padded(engines, tiny_llama_02_dir):
+    _, padded = engines
+    worker = padded.worker
+    assert [worker.prefill_block(n, LAYERS) for n in (1, 16, 17, 48, 49)] == [16, 16, 32, 48, 0]
+    plain = TargetWorker(TargetConfig(str(tiny_llama_02_dir)))
+    assert plain.prefill_block(5, ()) == 0                    # no graphs on the CPU: eager
+    assert TargetConfig(str(tiny_llama_02_dir)).graph_prefill_sizes == (32, 64, 128, 256, 512)
