@@ -1,6 +1,7 @@
 """Start the real services as child processes and wait for them through grpc.health.v1."""
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -28,6 +29,17 @@ def health_status(address: str, service: str, timeout: float = 2.0) -> int | Non
         return None
 
 
+# every service a test started: killed when pytest exits if still running (a fixture that failed
+# half way must not leave one holding its ports and cores for the rest of the run)
+_STARTED: list[ServiceProcess] = []
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for p in _STARTED:
+        p.kill()
+
+
 class ServiceProcess:
     """`python -m <module> <args>` with its log in a file; stopped with SIGTERM (then KILL)."""
 
@@ -47,6 +59,7 @@ class ServiceProcess:
         self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", self.module, *self.args],
                                      cwd=REPO, env=self.env, stdout=self.log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True)
+        _STARTED.append(self)
         return self
 
     def wait_serving(self, timeout: float = 180.0) -> ServiceProcess:

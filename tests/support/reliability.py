@@ -99,14 +99,20 @@ def start_stack(model_dir: Path, log_dir: Path, *gateway_flags: str, drafter: st
     tm, dm = free_port(), free_port()
     target = start_target(model_dir, log_dir, *target_flags, "--metrics-port", str(tm))
     draft = None
-    if drafter != "none":
-        extra = ("--drafter", drafter, "--metrics-port", str(dm), *draft_flags)
-        if drafter == "prompt-lookup":
-            extra = (*extra, "--block-size", str(BLOCK))
-        draft = start_draft(model_dir, log_dir, *extra, model_dir=draft_model)
-    # fixed sizes: these scenarios need the draft drafting at every load (auto may not)
-    gw = start_gateway(target.address, model_dir, log_dir, "--speculation", "fixed",
-                       *gateway_flags, draft=draft.address if draft else "")
+    try:
+        if drafter != "none":
+            extra = ("--drafter", drafter, "--metrics-port", str(dm), *draft_flags)
+            if drafter == "prompt-lookup":
+                extra = (*extra, "--block-size", str(BLOCK))
+            draft = start_draft(model_dir, log_dir, *extra, model_dir=draft_model)
+        # fixed sizes: these scenarios need the draft drafting at every load (auto may not)
+        gw = start_gateway(target.address, model_dir, log_dir, "--speculation", "fixed",
+                           *gateway_flags, draft=draft.address if draft else "")
+    except BaseException:               # a service that did not start: none left running
+        for p in (draft, target):
+            if p is not None:
+                p.stop()
+        raise
     return Stack(target, draft, gw, tm, dm)
 
 
