@@ -88,3 +88,31 @@ def test_sizes_padding_picks_and_what_is_not_padded(engines, tiny_llama_02_dir):
     plain = TargetWorker(TargetConfig(str(tiny_llama_02_dir)))
     assert plain.prefill_block(5, ()) == 0                    # no graphs on the CPU: eager
     assert TargetConfig(str(tiny_llama_02_dir)).graph_prefill_sizes == (32, 64, 128, 256, 512)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the prefill graphs are CUDA's")
+def test_prompt_chunks_replayed_from_graphs_equal_eager(tiny_llama_02_dir):
+    """On a GPU (fp32): the same prompts with the prefill graphs captured and with none."""
+    def engine(graphs: bool) -> TargetEngine:
+        worker = TargetWorker.started(TargetConfig(
+            str(tiny_llama_02_dir), device="cuda", attention_backend="triton",
+            kv_budget_bytes=8 << 20, page_size=4, max_block_size=16, token_budget=48,
+            prefix_caching=True, cuda_graphs=graphs, graph_block_sizes=(1, 16),
+            graph_prefill_sizes=(32, 48), graph_capture_layers=LAYERS), TargetHooks())
+        e = TargetEngine(worker)
+        e.start()
+        return e
+    graphed, eager = engine(True), engine(False)
+    try:
+        assert graphed.worker.prefill_block(20, LAYERS) == 32
+        assert eager.worker.prefill_block(20, LAYERS) == 0
+        got, expected = asyncio.run(_run(graphed)), asyncio.run(_run(eager))
+        for e, g in zip(expected, got):
+            for a, b in zip(e, g):
+                if isinstance(a, torch.Tensor):
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+                else:
+                    assert a == b
+    finally:
+        graphed.stop()
+        eager.stop()
