@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 import torch
+from support.inproc_target import started_engine
 
 from runtime.sampling import SamplingConfig
 from services.target.config import TargetConfig
@@ -24,13 +25,10 @@ PROMPTS = [list(range(3, 8)), list(range(5, 36)), list(range(9, 42)), list(range
            list(range(2, 100)), SYSTEM + [11, 12, 13], SYSTEM + [21, 22, 23, 24, 25]]
 
 
-def _engine(model_dir, hooks: TargetHooks) -> TargetEngine:
-    worker = TargetWorker.started(TargetConfig(
+def _engine(model_dir, hooks: TargetHooks, **config) -> TargetEngine:
+    return started_engine(TargetWorker.started(TargetConfig(
         str(model_dir), kv_budget_bytes=8 << 20, page_size=4, max_block_size=16,
-        token_budget=48, prefix_caching=True), hooks)
-    engine = TargetEngine(worker)
-    engine.start()
-    return engine
+        token_budget=48, prefix_caching=True, **config), hooks))
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +92,10 @@ def test_sizes_padding_picks_and_what_is_not_padded(engines, tiny_llama_02_dir):
 def test_prompt_chunks_replayed_from_graphs_equal_eager(tiny_llama_02_dir):
     """On a GPU (fp32): the same prompts with the prefill graphs captured and with none."""
     def engine(graphs: bool) -> TargetEngine:
-        worker = TargetWorker.started(TargetConfig(
-            str(tiny_llama_02_dir), device="cuda", attention_backend="triton",
-            kv_budget_bytes=8 << 20, page_size=4, max_block_size=16, token_budget=48,
-            prefix_caching=True, cuda_graphs=graphs, graph_block_sizes=(1, 16),
-            graph_prefill_sizes=(32, 48), graph_capture_layers=LAYERS), TargetHooks())
-        e = TargetEngine(worker)
-        e.start()
-        return e
+        return _engine(tiny_llama_02_dir, TargetHooks(), device="cuda",
+                       attention_backend="triton", cuda_graphs=graphs,
+                       graph_block_sizes=(1, 16), graph_prefill_sizes=(32, 48),
+                       graph_capture_layers=LAYERS)
     graphed, eager = engine(True), engine(False)
     try:
         assert graphed.worker.prefill_block(20, LAYERS) == 32

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 import torch
-from support.inproc_target import in_one_batch
+from support.inproc_target import in_one_batch, started_engine
 
 from runtime.sampling import SamplingConfig
 from services.target.config import TargetConfig
@@ -25,11 +25,8 @@ BLOCKS = {"s0": 1, "s1": 3, "s2": 6, "s3": 16}      # tokens per verify: anchor 
 
 
 def _engine(model_dir, hooks: TargetHooks) -> TargetEngine:
-    worker = TargetWorker.started(TargetConfig(str(model_dir), kv_budget_bytes=8 << 20,
-                                               max_block_size=16), hooks)
-    engine = TargetEngine(worker)
-    engine.start()
-    return engine
+    return started_engine(TargetWorker.started(TargetConfig(
+        str(model_dir), kv_budget_bytes=8 << 20, max_block_size=16), hooks))
 
 
 @pytest.fixture(scope="module")

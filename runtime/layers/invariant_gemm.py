@@ -132,7 +132,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
            tile: Tile | tuple) -> None:
     """y [M, N] = x2 [M, K] weight^T (+ bias) with this tile: one kernel, or with K splits the
     kernel's fp32 partials and their sum in a fixed order."""
-    tile = Tile(*tile)
+    tile = tile if isinstance(tile, Tile) else Tile(*tile)    # tile_for's, or a bench's tuple
     bm, bn, bk, warps, stages, splits, tma = tile
     m, (n, k) = x2.shape[0], weight.shape
     k_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk           # a whole number of BLOCK_K
