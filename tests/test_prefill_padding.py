@@ -26,9 +26,11 @@ PROMPTS = [list(range(3, 8)), list(range(5, 36)), list(range(9, 42)), list(range
 
 
 def _engine(model_dir, hooks: TargetHooks, **config) -> TargetEngine:
-    return started_engine(TargetWorker.started(TargetConfig(
+    worker = TargetWorker.started(TargetConfig(
         str(model_dir), kv_budget_bytes=8 << 20, page_size=4, max_block_size=16,
-        token_budget=48, prefix_caching=True, **config), hooks))
+        token_budget=48, prefix_caching=True, **config), hooks)
+    worker.capture_cuda_graphs()            # as the service does before SERVING (CUDA only)
+    return started_engine(worker)
 
 
 @pytest.fixture(scope="module")

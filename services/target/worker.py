@@ -129,9 +129,10 @@ class TargetWorker:
     # -- start-up stages -----------------------------------------------------------------
     @classmethod
     def started(cls, config: TargetConfig, hooks: TargetHooks = NO_TARGET_HOOKS) -> TargetWorker:
-        """A worker taken through every start-up stage in order (weights, pools, backends,
-        ready) on this thread: for benchmarks and in-process tools. The service runs the same
-        stages one at a time and reports its health between them."""
+        """A worker taken through the start-up stages in order (weights, pools, backends, ready)
+        on this thread: for benchmarks and in-process tools. The service runs the same stages
+        one at a time and reports its health between them; it also captures CUDA graphs before
+        it is ready, which here is the caller's choice (capture_cuda_graphs())."""
         worker = cls(config, hooks)
         worker.alloc_memory_pools()
         worker.init_attention_backends()
