@@ -70,6 +70,7 @@ class DraftLink:
         self.paused_until = 0.0
         self.pause_s = self.config.backoff_initial_s
         self.touched = False                     # it was sent a Propose (Release it at the end)
+        self.absorbed = False                    # it took the prompt without drafting (absorb)
 
     def _to(self, new: DraftState, why: str = "") -> None:
         """Every change of state passes here."""
@@ -159,6 +160,20 @@ class DraftLink:
         holds, or all when none are kept for it."""
         keeping = self.keeps_context and self.state != DraftState.LOST
         return self.feed.start if keeping else committed_len
+
+    async def absorb(self, spec: Speculation, anchor: int) -> None:
+        """Before a step that drafts nothing (auto at a load where drafting does not pay, or a
+        request asking for block 1), once per request: the draft takes the prompt's context now
+        - a Propose of block 1, no drafts - and caches its pages. With prefix caching the
+        target reuses a cached prefix only as far as the draft holds it (it computes the
+        features of the rest), so a request that never drafts would leave the draft without
+        the prefix, and the next turn behind it would miss on the target as well."""
+        if (self.absorbed or not self.can_draft(spec) or self._stale(spec)
+                or not spec.draft.prefix_caching or not self.capture_layers
+                or len(self.feed.token_ids) < spec.draft.page_size):
+            return
+        self.absorbed = True
+        await self.propose(spec, 1, 0, anchor)
 
     # -- Propose -----------------------------------------------------------------------------------
     async def propose(self, spec: Speculation, block: int, tree_nodes: int, anchor: int

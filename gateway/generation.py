@@ -135,6 +135,8 @@ class Generation:
         policy = self.state.speculation_policy()
         block, nodes, shape = self._shape(spec, policy)
         anchor = self.out.output[-1]
+        if block <= 1:
+            await self.draft.absorb(spec, anchor)      # the prompt's context, for the caches
         t0 = time.perf_counter()
         drafts = await self.draft.propose(spec, block, nodes, anchor) if block > 1 else NO_DRAFTS
         drafts, masks = await self._constrained(drafts)
@@ -160,6 +162,8 @@ class Generation:
         self.telemetry.step(t1 - t0 if block > 1 else None, t2 - t1, n, resp.accepted)
         if policy is not None:
             self._learn(policy, shape, drafts, resp, t1 - t0 if block > 1 else None, t2 - t1)
+            if shape is not None and (drafts.tokens or not shape.drafts):   # ran as priced
+                policy.observe_period(shape, t2 - t0)
         return event
 
     async def _follow(self) -> None:

@@ -145,6 +145,25 @@ def test_a_shared_system_prompt_is_prefilled_once(on, tok):
     assert first[0][1] and second[0][1]
 
 
+def test_requests_that_draft_nothing_still_leave_their_prefix_on_both_services(on, off, tok):
+    """Requests asking for block 1 (as auto's no-drafting steps): the draft takes the prompt's
+    context anyway (one Propose of block 1), so a second conversation behind the same system
+    prompt hits on the target too - which reuses a cached prefix only as far as the draft holds
+    it. Before, neither service hit (a GPU run under auto showed a hit rate of 0)."""
+    system = "Reply in one sentence. " + SYSTEM          # a prefix no other test caches
+    draft0 = on.hits("draft")
+    first = chat(on.gateways["chain"], tok, ["Hello!"], system, block_size=1)
+    second = chat(on.gateways["chain"], tok, ["Good morning!"], system, block_size=1)
+    system_tokens = len(tok.encode(tok.apply_chat_template(
+        [{"role": "system", "content": system}])))
+    assert second[0][2].cached_tokens >= (system_tokens // 8 - 1) * 8 > 0
+    assert on.hits("draft") - draft0 >= (system_tokens // 8 - 1) * 8
+    assert first[0][2].accepted_tokens == second[0][2].accepted_tokens == 0    # no drafts
+    assert [o for _, o, _ in first + second] == [
+        o for _, o, _ in chat(off.gateways["chain"], tok, ["Hello!"], system)
+        + chat(off.gateways["chain"], tok, ["Good morning!"], system)]
+
+
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_the_cache(on, off, tok):
     sampling = common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
     turns = CONVERSATIONS[1]
