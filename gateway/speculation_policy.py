@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from gateway.acceptance_model import CHAIN, AcceptanceModel, ServiceAcceptance
 from gateway.cost_model import CostModel
 from gateway.exploration import ExplorationBudget
+from gateway.step_period import StepPeriods, kind_of
 from runtime.draft_tree import DraftTree
 from services.common import metrics
 
@@ -89,14 +90,18 @@ def choose(options: Iterable[Option], cost: CostModel) -> Option:
     return rank(options, cost)[0]
 
 
-def rank(options: Iterable[Option], cost: CostModel) -> list[Option]:
+def rank(options: Iterable[Option], cost: CostModel,
+         periods: StepPeriods | None = None) -> list[Option]:
     """The options by committed tokens per second, best first (ties: the fewer tokens). A
     drafting option must promise DRAFT_MARGIN more than not drafting: its prediction is the
     less certain (acceptance and Propose cost are estimates), and a mispredicted draft costs
     more than its own step - at 2+ requests its Propose holds its verify out of the others'
-    batch, so the target runs one more forward."""
+    batch, so the target runs one more forward. periods: serving's measured step periods
+    against the model's prices, by kind and load (gateway/step_period.py)."""
     def rate(o: Option) -> float:
         seconds = step_s(o, cost)
+        if periods is not None:
+            seconds *= periods.factor(kind_of(o.shape.drafts, o.shape.tree), o.requests)
         r = o.expected / seconds if seconds > 0 else o.expected
         return r / (1.0 + DRAFT_MARGIN) if o.shape.drafts else r
     return sorted(sorted(options, key=lambda o: o.tokens), key=rate, reverse=True)
@@ -172,6 +177,8 @@ class SpeculationPolicy:
         self._since = 0                 # ... this many decides ago
         self._decisions = 0             # batch decisions so far (exploration's clock) ...
         self.budget = ExplorationBudget()   # ... and what exploring may cost
+        self.periods = StepPeriods()        # measured step periods against the prices
+        self._priced = ("none", 0, 0.0)     # the last decision's kind, requests, model price
         self._exported = float("-inf")
 
     @property
@@ -207,7 +214,7 @@ class SpeculationPolicy:
         shapes += [Shape(n, True) for n in TREE_SIZES if any(n in m.trees for m in models)
                    and not self.cost.tree_dominated(n)]        # eager beside a bigger graph
         options = [self._batch_option(s, models) for s in shapes]
-        ranked = rank(options, self.cost)
+        ranked = rank(options, self.cost, self.periods)
         best = ranked[0]
         self._decisions += 1
         self.budget.tick()
@@ -215,10 +222,13 @@ class SpeculationPolicy:
         if due and self.budget.allows():
             best = self._explore(ranked)
         self.budget.mark(best is not ranked[0])
+        self._priced = (kind_of(best.shape.drafts, best.shape.tree), len(models),
+                        step_s(best, self.cost))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("speculation chosen", extra={
                 "shape": best.shape, "requests": len(models), "expected": round(best.expected, 2),
-                "explore": best is not ranked[0],
+                "explore": best is not ranked[0], "period_factors": self.periods.factors(
+                    len(models)),
                 "options": " ".join(
                     f"{o.shape.drafts}{'t' if o.shape.tree else ''}:{o.expected:.2f}/"
                     f"{step_s(o, self.cost) * 1e3:.0f}ms"
@@ -239,14 +249,17 @@ class SpeculationPolicy:
         ran for the first time, a Propose line taught while other requests shared the cores)
         would never run, so never be corrected. Once in a while the best option of other verify
         rows runs instead, until serving has timed its rows and its kind of Propose (alone or
-        busy) EXPLORE_RUNS times each: then its price is serving's own, and exploring it again
+        busy) EXPLORE_RUNS times each, and its kind's step period at this load
+        (gateway/step_period.py): then its price is serving's own, and exploring it again
         would only cost (on a CPU where not drafting wins, one step in 32 drafting kept auto
         3 % below it)."""
         best, runner_up = ranked[0], _runner_up(ranked)
         shape = runner_up.shape
         if (self.cost.verify_runs(runner_up.tokens, shape.tree) >= EXPLORE_RUNS
                 and (not shape.drafts or self.cost.propose_runs(
-                    shape.tree, runner_up.requests > 1) >= EXPLORE_RUNS)):
+                    shape.tree, runner_up.requests > 1) >= EXPLORE_RUNS)
+                and self.periods.measured(kind_of(shape.drafts, shape.tree),
+                                          runner_up.requests)):
             return best
         return runner_up
 
@@ -265,6 +278,14 @@ class SpeculationPolicy:
             appended += appended_rows(m.limits, e)
         rows = sum(tokens) if shape.tree else self.cost.chain_rows(tokens)
         return Option(shape, expected, rows, len(models), appended + blocks)
+
+    def observe_period(self, shape: Shape, period_s: float) -> None:
+        """A request's step of `shape` took period_s (its Propose, grammar and Verify round
+        trips): against the price of the batch decision it ran under, when it ran that
+        decision's kind (a request whose room cut a tree to a chain ran another step)."""
+        kind, requests, priced = self._priced
+        if kind == kind_of(shape.drafts, shape.tree):
+            self.periods.observe(kind, requests, period_s, priced)
 
     def observe(self, acceptance: AcceptanceModel, shape: Shape, depth: int, accepted: int
                 ) -> None:
