@@ -163,7 +163,7 @@ class Generation:
         if policy is not None:
             self._learn(policy, shape, drafts, resp, t1 - t0 if block > 1 else None, t2 - t1)
             if shape is not None and (drafts.tokens or not shape.drafts):   # ran as priced
-                policy.observe_period(shape, t2 - t0)
+                policy.observe_period(self.key, shape, t2 - t0)
         return event
 
     async def _follow(self) -> None:

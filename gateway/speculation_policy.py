@@ -178,7 +178,8 @@ class SpeculationPolicy:
         self._decisions = 0             # batch decisions so far (exploration's clock) ...
         self.budget = ExplorationBudget()   # ... and what exploring may cost
         self.periods = StepPeriods()        # measured step periods against the prices
-        self._priced = ("none", 0, 0.0)     # the last decision's kind, requests, model price
+        self._priced = ("none", 0, 0.0)     # the last decision's kind, requests, model price ...
+        self._ran_under: dict[str, tuple[str, int, float]] = {}   # ... each request's last one
         self._exported = float("-inf")
 
     @property
@@ -205,6 +206,7 @@ class SpeculationPolicy:
                 models += [_view(self.model(), limits)] * (size - len(models))
             self._batch = self._decide_batch(models)
             self._batch_size, self._since = size, 0
+        self._ran_under[request] = self._priced
         return fit(self._batch, limits)
 
     def _decide_batch(self, models: list[_Running]) -> Shape:
@@ -279,11 +281,12 @@ class SpeculationPolicy:
         rows = sum(tokens) if shape.tree else self.cost.chain_rows(tokens)
         return Option(shape, expected, rows, len(models), appended + blocks)
 
-    def observe_period(self, shape: Shape, period_s: float) -> None:
+    def observe_period(self, request: str, shape: Shape, period_s: float) -> None:
         """A request's step of `shape` took period_s (its Propose, grammar and Verify round
-        trips): against the price of the batch decision it ran under, when it ran that
-        decision's kind (a request whose room cut a tree to a chain ran another step)."""
-        kind, requests, priced = self._priced
+        trips): against the price of the batch decision it ran under (at many requests the
+        next decision is taken while its step runs), when it ran that decision's kind (a
+        request whose room cut a tree to a chain ran another step)."""
+        kind, requests, priced = self._ran_under.get(request, ("", 0, 0.0))
         if kind == kind_of(shape.drafts, shape.tree):
             self.periods.observe(kind, requests, period_s, priced)
 
@@ -315,6 +318,7 @@ class SpeculationPolicy:
 
     def forget(self, request: str) -> None:
         self._running.pop(request, None)
+        self._ran_under.pop(request, None)
 
     @staticmethod
     def record(model: str, shape: Shape) -> None:

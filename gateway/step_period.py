@@ -8,19 +8,20 @@ and how much depends on the kind of step: an H200 log of SmolLM2 at 4 and 8 requ
 steps without drafts and trees of 63 taking 2-3x their price (3 ms priced against ~6-7 ms a
 step measured; 12 against 31-40 ms), chains about their price - so auto ran the wrong kind. Each
 request's step period (its Propose, grammar and Verify round trips: t0 to the Verify's answer)
-is compared with the price of the shape the batch decision chose, and the ratio (a moving
-average of its log, per kind and power-of-two band of running requests) multiplies that kind's
-price at that load. A kind not yet measured at a load takes the mean of the kinds that are
+is compared with the price of the batch decision it ran under, and the ratio (the median of the
+last PERIOD_WINDOW, per kind and power-of-two band of running requests: a kernel's first run or
+a stall is outvoted by the next two) multiplies that kind's price at that load. A kind not yet measured at a load takes the mean of the kinds that are
 (the level every kind shares, e.g. a slower host), so a correction of one kind alone does not
 by itself make the others look cheap."""
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
-PERIOD_ALPHA = 0.1                  # weight of a new period in a kind's moving average
+PERIOD_WINDOW = 9                   # the last periods' ratios whose median is used
 PERIOD_TRUST = 3                    # periods before a kind's own correction is used
-MAX_LOG_RATIO = math.log(8.0)       # one period counts at most 8x either way (a stall, a
-                                    # kernel's first run must not swing the price alone)
+MAX_LOG_RATIO = math.log(8.0)       # one period counts at most 8x either way
 KINDS = ("none", "chain", "tree")
 
 
@@ -35,8 +36,9 @@ def band(requests: int) -> int:
 
 class StepPeriods:
     def __init__(self) -> None:
-        # (kind, band) -> (moving average of log(measured / priced), periods seen)
-        self._log: dict[tuple[str, int], tuple[float, int]] = {}
+        # (kind, band) -> the last log(measured / priced) ratios
+        self._ratios: dict[tuple[str, int], deque[float]] = {}
+        self._median: dict[tuple[str, int], float] = {}        # ... their median, once trusted
 
     def observe(self, kind: str, requests: int, measured_s: float, priced_s: float) -> None:
         """A step of `kind` at `requests` running took measured_s; the model priced priced_s."""
@@ -44,20 +46,21 @@ class StepPeriods:
             return
         r = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(measured_s / priced_s)))
         key = (kind, band(requests))
-        old, n = self._log.get(key, (0.0, 0))
-        self._log[key] = (r if n == 0 else old + PERIOD_ALPHA * (r - old), n + 1)
+        ratios = self._ratios.setdefault(key, deque(maxlen=PERIOD_WINDOW))
+        ratios.append(r)
+        if len(ratios) >= PERIOD_TRUST:
+            self._median[key] = statistics.median(ratios)
 
     def measured(self, kind: str, requests: int) -> bool:
         """Whether this kind's own correction is used at this load."""
-        own = self._log.get((kind, band(requests)))
-        return own is not None and own[1] >= PERIOD_TRUST
+        return (kind, band(requests)) in self._median
 
     def factor(self, kind: str, requests: int) -> float:
         """What a price of this kind at this load is multiplied by (1: nothing measured)."""
         b = band(requests)
-        if self.measured(kind, requests):
-            return math.exp(self._log[(kind, b)][0])
-        level = [v for (_, kb), (v, n) in self._log.items() if kb == b and n >= PERIOD_TRUST]
+        if (own := self._median.get((kind, b))) is not None:
+            return math.exp(own)
+        level = [v for (_, kb), v in self._median.items() if kb == b]
         return math.exp(sum(level) / len(level)) if level else 1.0
 
     def factors(self, requests: int) -> dict[str, float]:

@@ -374,8 +374,8 @@ def _simulate(policy: SpeculationPolicy, steps: int) -> list[Shape]:
         policy.cost.observe_verify(rows, truth(rows), truth(rows) + 0.0005)
         if shapes[0].drafts:
             policy.cost.observe_propose(0.001)
-        for shape in shapes:                    # each request's step period
-            policy.observe_period(shape, truth(rows) + 0.0005 + 0.001 * (shape.drafts > 0))
+        for r, shape in zip(models, shapes):    # each request's step period
+            policy.observe_period(r, shape, truth(rows) + 0.0005 + 0.001 * (shape.drafts > 0))
         chosen.append(shapes[0])
     return chosen
 
@@ -412,7 +412,7 @@ def test_exploration_stops_once_the_runner_up_was_timed_often_enough():
         policy.cost.observe_verify(shape.tokens, 0.0095 * shape.tokens, 0.0095 * shape.tokens)
         if shape.drafts:
             policy.cost.observe_propose(0.002)
-        policy.observe_period(shape, 0.0095 * shape.tokens + 0.002 * (shape.drafts > 0))
+        policy.observe_period("a", shape, 0.0095 * shape.tokens + 0.002 * (shape.drafts > 0))
         chosen.append(shape)
     explored = [i for i, s in enumerate(chosen) if s != NO_DRAFTING]
     assert len(explored) == sp.EXPLORE_RUNS
