@@ -52,10 +52,11 @@ DOMINATED = 2.0                         # a tree size dearer than this x a bigge
 
 @dataclass
 class _Point:
-    seconds: float
+    seconds: float                      # serving's moving average (the warm-up's until observed)
     weight: float                       # observations behind it (capped): the fit's weight
     observed: bool = False              # False: only the warm-up's measurement
     runs: int = 0                       # serving's forwards averaged in
+    warm: float = 0.0                   # the warm-up's time (0: a size it did not measure)
 
 
 class VerifyCurve:
@@ -65,7 +66,7 @@ class VerifyCurve:
     smaller one without)."""
 
     def __init__(self, curve: Iterable[tuple[int, float]] = (), monotone: bool = True) -> None:
-        self._points: dict[int, _Point] = {t: _Point(s, 2.0) for t, s in curve if t > 0}
+        self._points: dict[int, _Point] = {t: _Point(s, 2.0, warm=s) for t, s in curve if t > 0}
         self._fit: list[tuple[int, float]] | None = None
         self.monotone = monotone
 
@@ -97,8 +98,10 @@ class VerifyCurve:
         """The point at `tokens` costs over DOMINATED times a bigger size's: that size has a
         CUDA graph and this one runs eagerly (on an H200 a tree of 7 took 22.8 ms, one of 15
         1.6): never worth running."""
-        p = self._points.get(tokens)
-        return p is not None and any(t > tokens and q.seconds * DOMINATED < p.seconds
+        p, scale = self._points.get(tokens), self._scale()
+        def value(q: _Point) -> float:
+            return q.seconds if q.observed else q.seconds * scale
+        return p is not None and any(t > tokens and value(q) * DOMINATED < value(p)
                                      for t, q in self._points.items())
 
     def runs(self, tokens: int) -> int:
@@ -116,12 +119,12 @@ class VerifyCurve:
         return (s1 - s0) / (t1 - t0)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """A forward of `tokens` rows took `seconds`: averaged into its point, and the warm-up
-        points serving never ran follow the ratio slowly. Except when serving's first run of a
-        warm-up point is implausibly far from it (PLAUSIBLE): the warm-up timed that shape's
-        first run (a kernel's compilation on a GPU). Then serving's time replaces it, and every
-        warm-up point left loses its weight in the fit (UNOBSERVED_WEIGHT: one dear point must
-        not pull corrected neighbours up with it)."""
+        """A forward of `tokens` rows took `seconds`: averaged into its point (the warm-up
+        points serving never ran follow the observed ones' scale: _scale). Except when
+        serving's first run of a warm-up point is implausibly far from it (PLAUSIBLE): the
+        warm-up timed that shape's first run (a kernel's compilation on a GPU). Then serving's
+        time replaces it, and every warm-up point left loses its weight in the fit
+        (UNOBSERVED_WEIGHT: one dear point must not pull corrected neighbours up with it)."""
         p = self._points.get(tokens)
         ratio = seconds / max(p.seconds if p is not None else self.seconds(tokens), 1e-9)
         if p is not None and not p.observed and not PLAUSIBLE[0] < ratio < PLAUSIBLE[1]:
@@ -129,30 +132,33 @@ class VerifyCurve:
             for q in self._points.values():
                 if not q.observed:
                     q.weight = UNOBSERVED_WEIGHT
+        elif p is None:
+            self._points[tokens] = _Point(seconds, 1.0, True, 1)
         else:
-            self._rescale_unobserved(seconds / max(self.seconds(tokens), 1e-9))
-            if p is None:
-                self._points[tokens] = _Point(seconds, 1.0, True, 1)
-            else:
-                p.seconds += ALPHA * (seconds - p.seconds)
-                p.weight = min(MAX_WEIGHT, p.weight + 1.0)
-                p.observed = True
-                p.runs += 1
+            p.seconds += ALPHA * (seconds - p.seconds)
+            p.weight = min(MAX_WEIGHT, p.weight + 1.0)
+            p.observed = True
+            p.runs += 1
         self._fit = None
 
-    def _rescale_unobserved(self, ratio: float) -> None:
-        """The warm-up's points that serving never ran follow the observed ones' scale (the
-        calibration's shape, the observations' level): a calibration slowed by a busy start-up,
-        or a host that got busier, must not keep sizes nobody tries looking dear or cheap."""
-        if self._points and PLAUSIBLE[0] < ratio < PLAUSIBLE[1]:
-            factor = ratio ** ALPHA
-            for p in self._points.values():
-                if not p.observed:
-                    p.seconds *= factor
+    def _scale(self) -> float:
+        """What the warm-up's points that serving never ran are multiplied by: the median of
+        serving's time over the warm-up's at the sizes both measured (within PLAUSIBLE) - the
+        calibration's shape at the observations' level: a calibration slowed by a busy
+        start-up, or a host that got busier, must not keep sizes nobody tries looking dear or
+        cheap. Taken afresh from the points, never compounded: nudging them by every
+        observation's ratio to the fit drifted without bound where the fit pooled observed
+        sizes (an H100 run priced chains at 16-32 requests, where only steps without drafts
+        ran, at 1-400 s a step)."""
+        ratios = [r for p in self._points.values() if p.observed and p.warm > 0
+                  and PLAUSIBLE[0] < (r := p.seconds / p.warm) < PLAUSIBLE[1]]
+        return statistics.median(ratios) if ratios else 1.0
 
     def _fitted(self) -> list[tuple[int, float]]:
         if self._fit is None:
-            points = sorted((t, p.seconds, p.weight) for t, p in self._points.items())
+            scale = self._scale()
+            points = sorted((t, p.seconds if p.observed else p.seconds * scale, p.weight)
+                            for t, p in self._points.items())
             self._fit = (monotone_fit(points) if self.monotone
                          else [(t, s) for t, s, _ in points])
         return self._fit

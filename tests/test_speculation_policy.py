@@ -189,6 +189,21 @@ def test_sizes_serving_never_runs_follow_the_observed_scale():
     assert c.verify_s(16) == pytest.approx(0.080, rel=0.1)
 
 
+def test_sizes_serving_never_runs_do_not_drift_when_the_fit_pools_observed_sizes():
+    """At 16-32 requests without drafts serving times only rows 16-32, and two neighbouring
+    sizes whose times violate the curve's order are pooled by the fit: every observation was
+    off the fit by the same few percent, the unobserved sizes were nudged by each, and after
+    thousands of steps an H100 run priced a chain step (512 rows, never run) at minutes."""
+    c = CostModel([(1, 0.00136), (16, 0.00139), (31, 0.00141), (32, 0.00143), (64, 0.00159),
+                   (256, 0.00188), (512, 0.00244)])
+    for _ in range(5000):
+        for _ in range(9):
+            c.observe_verify(32, 0.0013, 0.0015)
+        c.observe_verify(31, 0.0016, 0.0018)
+    assert c.verify_s(512) == pytest.approx(0.00244 * 0.0013 / 0.00143, rel=0.2)
+    assert c.verify_s(256) < c.verify_s(512) < 0.004
+
+
 def test_requests_that_have_not_chosen_yet_count_as_load():
     """Just-admitted requests are in the batch too, with the service's acceptance."""
     policy = SpeculationPolicy([(1, 0.02), (32, 0.08), (512, 1.0)])
