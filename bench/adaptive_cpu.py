@@ -267,40 +267,43 @@ Start-up: the target's verify cost calibration is bounded by `--cost-calibration
 s), on top of the CPU GEMM calibration (1.2-1.3 s on this EPYC); the draft's Propose curve adds
 0.4 s."""
 
-GPU_NOTES = """Reading it (session 38, at 46af736 - with both fixes of session 37, the chain
-calibration by captured blocks and trees priced by their size; an H200): still a miss - 0.80,
-0.91, 0.77, 0.66, 0.73, 0.65x the best fixed shape at 1-32 requests, and below autoregressive
-at every level (0.78-0.98x). The fixes did what they were for: no batch of eager trees of 7 was
-chosen (the 2-request level went 0.36 -> 0.91x of the best) and the curve read 1.38 ms at 16
-rows, 2.21 at 512 (chains) and 1.43 / 1.66 ms for the trees of 15 / 63. What the gateway's log
-(`bench/results/gpu/session38/logs/h200_gateway_auto.log.gz`) shows is left, two faults:
+GPU_NOTES = """Reading it (session 40, at 7b351fc; an H100 - the card lent this session): still a
+miss - 0.80, 0.84, 0.76, 0.87, 0.65, 0.62x the best fixed shape at 1-32 requests, 0.76-1.06x
+autoregressive. Three changes since session 38 were measured in this session's runs (all on the
+same H100; `bench/results/gpu/session40/`): the Propose overhead without the draft's queue wait,
+a dearer Propose level believed only after 3 Proposes (propose_line.py), and each kind of step's
+measured period against its price (step_period.py, this session). Run A (periods against the
+newest batch decision, a moving average): 0.76, 1.01, 0.79, 0.87, 0.64, 0.69; runs B (each
+request's period against the decision it ran under, a median): 0.78 / 0.68, 0.96 / 0.75, 0.89 /
+0.91, 0.90 / 0.88, 0.65 / 0.62, 0.43 / 0.38; run C (the table; B plus the verify-curve fix
+below). What the logs show:
 
-- **At one request, acceptance is under-estimated** where the choice is close: a drafting step
-  costs about 10-11 ms on this host (a Propose round trip of 3.4-4.7 ms with a 1-2 ms forward,
-  then the verify) against 3 ms without drafts, so a tree of 63 must commit about 3.7 tokens a
-  step to break even; the model expected 3.5-3.6 (prior and early steps) where the run's trees
-  of 63 did better (402.8 against 347.7 tokens/s autoregressive), so auto verified the anchor
-  alone in 259 of 333 steps.
-- **At 32 requests, drafting is over-priced**: a chain step was priced at 61-63 ms against 21 ms
-  without drafts, while the measured chains of 8 took about 29 ms a step (2,730 tokens/s) -
-  the Propose of a batch of 32 is charged far above what it costs, so auto never drafted at 16
-  and 32 requests, where chains ran 1.34-1.25x autoregressive. The log says why: each request's
-  first Propose waited behind the others' forwards (20 ms round trips around 2-9 ms forwards),
-  and that wait went into the Propose overhead (9.7 ms) that every later step was charged on
-  top of the batch's rows. **Fixed after this run** (not measured on a GPU yet): the draft
-  reports its engine wait (`ProposeResponse.queue_seconds`) and the overhead leaves it out, as
-  the Verify's already did.
+- The periods do what they were built for at 1-8 requests: steps without drafts ran 1.25-1.7x
+  their price, trees 1.2-2.4x, chains 0.9-1.1x (the split session 38's H200 log showed), and
+  auto's choice at 4 and 8 moved from 0.79 / 0.87 to 0.89-0.91 / 0.88-0.90 in runs B.
+- Runs B exposed an old fault of the verify curve: sizes serving never ran were nudged by every
+  observation's ratio to the fitted curve, and where the fit pooled two observed sizes that
+  ratio had a constant sign - at 16 and 32 requests, where only steps without drafts ran, the
+  unrun 512-row point drifted to a chain step price of 1-400 s, and auto never drafted there.
+  Fixed (cost_model.py: unrun sizes take the median ratio of serving to warm-up at the sizes
+  both measured, recomputed, never compounded); run C's prices stay at 5-54 ms.
+- Left: at 16 and 32 requests a chain step is still priced 35-54 ms against 23-28 ms measured
+  (chains of 8 at 1,983 and 2,945 tokens/s), and at one request chains are chosen where trees
+  of 63 win (chain acceptance over-estimated: auto committed 1.8 tokens a step where it expected
+  2.3-2.7). At 4 requests auto ran below autoregressive while choosing no drafts 95 % of its
+  steps (0.76x): a non-drafting step through a stack with a draft still captures and publishes
+  the draft's features, and exploration runs the runner-up.
 
-The runs are also short (8-32 requests of 64 tokens, 0.5-1.6 s per configuration and level,
-one round), so a fixed shape's own rate moves 10-20 % between runs; the goal's margin (0.95)
-is within that. Earlier GPU runs (SmolLM2, auto / best fixed at 1, 2, 4, 8, 16, 32): session
-37 at 88921f8 (an H200, after the calibration fix only) 0.94, 0.36, 0.90, 0.77, 0.45, 0.35
-(`bench/results/archive/adaptive_gpu_h200_session37.json`); its H100 run before both fixes
+The runs are short (8-32 requests of 64 tokens, one round): a fixed shape's own rate moves
+10-20 % between runs (autoregressive at 4 requests: 785 and 849 tokens/s an hour apart). Earlier
+GPU runs (SmolLM2, auto / best fixed at 1, 2, 4, 8, 16, 32): session 38 at 46af736 (an H200)
+0.80, 0.91, 0.77, 0.66, 0.73, 0.65 (`bench/results/archive/adaptive_gpu_h200_session38.json`);
+session 37 at 88921f8 (an H200, after the calibration fix only) 0.94, 0.36, 0.90, 0.77, 0.45,
+0.35 (`bench/results/archive/adaptive_gpu_h200_session37.json`); its H100 run before both fixes
 0.73, 0.88, 0.89, 0.71, 0.82, 0.69 (`bench/results/gpu/session37/adaptive_gpu_h100_before.json`);
 session 35 at bd474d7 (an H200) 0.90, 0.81, 0.69, 0.85, 0.64, 0.48
 (`bench/results/archive/adaptive_gpu_h200_session35.json`); before it 0.88, 0.85, 0.91, 1.06,
 0.73, 0.72 and 0.84, 0.89, 0.66, 0.79, 0.80, 0.74."""
-
 
 SHAPE_NOTES = """Reading it (session 37, at 03023bf - before the chain calibration fix; an H100): auto is at or above
 autoregressive everywhere (2.4-3.9x) and chooses chains of about 14 tokens at every load, the

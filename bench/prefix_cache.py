@@ -188,24 +188,33 @@ def summary(on: dict, off: dict) -> dict:
             and s_on["outputs"] == s_off["outputs"]}
 
 
-GPU_NOTES = """Reading it (the second H200 run, with `--warmup`): the first run's 0.55x (209.6
-against 379.0 tokens/s) was the benchmark's own: the stack with the cache ran first and paid the
-first compilation of each Triton kernel variant it met (new prompt lengths, prefills after a
-cached prefix) inside its measured workload, and the stack without the cache found them in
-Triton's disk cache. With an unmeasured pass of both workloads on each stack first (behind
-another system prompt, so that no measured prompt hits its pages) both stacks run 2-3x faster,
-and the cache costs 14 % instead of helping (591 against 686 tokens/s): the prefills it saves
-are a small part of this workload on this GPU (a later turn's Prefill round trip 36 against
-42 ms at c = 8), and the two stacks did not run the same steps (auto drafted 36 of 936 steps
-with the cache and 20 of 962 without; the outputs differ, below). Time to first token is the
-target's Prefill round trip (the draft's OpenSequence adds 0.4 ms): behind the cached 1 917
-tokens of the shared system prompt a 24-token prefill still takes 30 ms in the target, against
-90 ms for all 1 941 tokens; where those 30 ms go (the forward itself is a few ms) was not
-found, as no device was lent again in this session: timing the target's Prefill in-process,
-phase by phase, is the next step. Both goals (1.5x, 5x) missed. Outputs differ with and
-without the cache in bf16 (a prefill that starts after a cached prefix rounds differently from
-one over the whole prompt; greedy decoding follows the rounding); on the CPU, in fp32, they are
-identical."""
+GPU_NOTES = """Reading it (session 40, at 7b351fc; an H100, with `--warmup`). Two changes since
+the H200 run of 2026-12-05 (multi-turn 591 against 686 tokens/s, later turns' TTFT 45.5
+against 51.2 ms, behind the shared system prompt 28.3 against 90.2 ms; archived in
+`bench/results/archive/prefix_cache_gpu_h200_session36.json`):
+
+- A lone prompt chunk runs as a captured CUDA graph, padded to the smallest of
+  `--graph-prefill-sizes`: the 1 941-token prompt's Prefill went from 90 to 15 ms (four chunks,
+  each a graph of 512 rows), so without the cache a shared-system-prompt question's TTFT is now
+  16.8 ms against 90.2 before; the eager path was launch-bound, not compute-bound.
+- An H100 run before the next fix (`bench/results/gpu/session40/prefix_cache_gpu_h100_before_absorb.json`)
+  hit nothing behind the shared system prompt: auto never drafted there, so the draft never
+  took the prompt's context and never cached it, and the target reuses a cached prefix only as
+  far as the draft holds it (it must compute the features of the rest). Now a request's first
+  step without drafts sends the draft its prompt (a Propose of block 1): hit rates 0.78 / 0.82
+  again, as on the CPU.
+
+With both, the cache cuts the shared-prompt TTFT 1.57x (10.7 against 16.8 ms) and leaves the
+multi-turn workload where it was (1.01x; later turns' TTFT 43.6 against 35.3 ms at c = 8, where
+a turn's prefill waits for the other conversations' steps in the target's queue: the Prefill
+round trip is ~35 ms with or without the cache, the forward a few ms). On this GPU a 135M
+model's prefill is no longer what time to first token is made of - the fixed costs are (two
+gRPC round trips, the engine's queue, the gateway): the goals (TTFT of later turns >= 5x lower,
+multi-turn >= 1.5x at c = 8) need a target whose prefill dominates (a larger model, longer
+histories), or a shorter path than the services' queue for a cached prompt's few new tokens.
+Both missed. Outputs differ with and without the cache in bf16 (a prefill that starts after a
+cached prefix rounds differently; `--deterministic` makes them equal), on the CPU in fp32 they
+are identical."""
 
 BREAKDOWN_ROWS = ("ttft", "target.Prefill", "draft.OpenSequence", "target.Verify",
                   "draft.Propose", "target.forward", "draft.forward", "step.gateway",
