@@ -81,6 +81,41 @@ def test_padded_prompt_chunks_equal_unpadded(engines):
     assert padded.worker.kv_cache.usage() == 0
 
 
+async def _overlapping(engine: TargetEngine) -> list:
+    """A long prompt prefilled (in chunks) while another sequence verifies block after block:
+    on the padded engine they run apart, taking turns (EngineLoop.prompts_apart)."""
+    first = await engine.prefill(PrefillCall("o1", PROMPTS[1], SamplingConfig(), LAYERS,
+                                             torch.float32))
+
+    async def verifies():
+        out, anchor = [], first.next_token
+        for _ in range(4):
+            v = await engine.verify("o1", [anchor, (anchor + 1) % 200 + 3])
+            out.append((v.committed, v.seq_len, v.features))
+            anchor = v.committed[-1]
+        return out
+
+    long, steps = await asyncio.gather(
+        engine.prefill(PrefillCall("o2", PROMPTS[4], SamplingConfig(), LAYERS, torch.float32)),
+        verifies())
+    for seq in ("o1", "o2"):
+        await engine.release(seq)
+    return [(long.next_token, long.seq_len, long.features), *steps]
+
+
+def test_prompts_apart_from_verifies_give_what_mixed_batches_give(engines):
+    plain, padded = engines
+    expected, got = asyncio.run(_overlapping(plain)), asyncio.run(_overlapping(padded))
+    for e, g in zip(expected, got, strict=True):
+        for a, b in zip(e, g, strict=True):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            else:
+                assert a == b
+    assert padded.worker.kv_cache.usage() == 0
+    assert plain.stats.max_batch == 2 and padded.stats.max_batch == 1   # mixed, and apart
+
+
 def test_sizes_padding_picks_and_what_is_not_padded(engines, tiny_llama_02_dir):
     _, padded = engines
     worker = padded.worker
@@ -88,6 +123,12 @@ def test_sizes_padding_picks_and_what_is_not_padded(engines, tiny_llama_02_dir):
     plain = TargetWorker(TargetConfig(str(tiny_llama_02_dir)))
     assert plain.prefill_block(5, ()) == 0                    # no graphs on the CPU: eager
     assert TargetConfig(str(tiny_llama_02_dir)).graph_prefill_sizes == (32, 64, 128, 256, 512)
+    # prompt chunks run apart from verifies only where they have graphs (here: the hook)
+    assert worker.prompts_apart() and not plain.prompts_apart()
+    assert padded.loop.prompts_apart() and not engines[0].loop.prompts_apart()
+    mixed = TargetWorker(TargetConfig(str(tiny_llama_02_dir), mixed_batches=True),
+                         TargetHooks(pad_prefill_to=(16,)))
+    assert not mixed.prompts_apart()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the prefill graphs are CUDA's")

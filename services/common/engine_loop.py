@@ -83,6 +83,10 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._running = 0             # works of the batch being run (they stay queued meanwhile)
         self.iterations = 0
+        # True: prompt chunks never share a forward with other works (set by the target where
+        # CUDA graphs are captured: a mixed batch runs eagerly); read at every iteration
+        self.prompts_apart: Callable[[], bool] = lambda: False
+        self._prompts_turn = False    # apart: the next forward is the prompts' (they alternate)
 
     def start(self) -> None:
         self._thread.start()
@@ -133,23 +137,45 @@ class EngineLoop:
                         self._cv.acquire()
             if self._stopped:
                 return []
-            budget = self.token_budget
-            batch: list[tuple[Work, int]] = []
             for queue in (self._urgent, self._prompts):
-                for w in list(queue):
-                    if w.cancelled():
-                        queue.remove(w)
-                        continue
-                    if w.remaining <= budget or not batch:
-                        n = w.remaining if (w.remaining <= budget or not w.splittable) else budget
-                    elif w.splittable and budget > 0:
-                        n = budget
-                    else:
-                        continue
-                    batch.append((w, n))
-                    budget = max(budget - n, 0)  # no break: works of cost 0 (releases) still fit
+                queue[:] = [w for w in queue if not w.cancelled()]
+            batch: list[tuple[Work, int]] = []
+            urgent, prompts = self._turns()
+            budget = self._fill(self._urgent, self.token_budget, batch, urgent)
+            self._fill(self._prompts, budget, batch, prompts)
             self._running = len(batch)
             return batch
+
+    def _turns(self) -> tuple[bool, bool]:
+        """Whether this iteration computes the urgent works (verifies, proposes) and whether it
+        computes prompt chunks: both, unless prompts run apart (prompts_apart) - then, while
+        both wait, they take turns, so that neither starves."""
+        if not self.prompts_apart():
+            return True, True
+        computing = any(w.remaining for w in self._urgent)
+        if not (computing and self._prompts):
+            return True, not computing
+        self._prompts_turn = not self._prompts_turn
+        return not self._prompts_turn, self._prompts_turn
+
+    @staticmethod
+    def _fill(queue: list[Work], budget: int, batch: list[tuple[Work, int]],
+              computing: bool) -> int:
+        """Takes the queue's works FIFO into `batch` within `budget` (a prompt larger than what
+        is left is split; the first work always fits); computing False: only works of cost 0
+        (releases, calls). Returns the budget left."""
+        for w in queue:
+            if w.remaining and not computing:
+                continue
+            if w.remaining <= budget or not batch:
+                n = w.remaining if (w.remaining <= budget or not w.splittable) else budget
+            elif w.splittable and budget > 0:
+                n = budget
+            else:
+                continue
+            batch.append((w, n))
+            budget = max(budget - n, 0)      # no break: works of cost 0 (releases) still fit
+        return budget
 
     def _run(self) -> None:
         if self.on_start is not None:

@@ -37,6 +37,9 @@ class TargetConfig:
     # token_budget are not captured): eagerly, a short prefill is kernel launches
     graph_prefill_sizes: tuple[int, ...] = (32, 64, 128, 256, 512)
     graph_capture_layers: tuple[int, ...] = ()   # feature layers the graphs return (the drafter's)
+    # prompt chunks share forwards with verifies even where prefill graphs are captured (one
+    # eager forward instead of two graph replays); off: they take turns (EngineLoop.prompts_apart)
+    mixed_batches: bool = False
     # hybrid: sequences that can verify blocks of 2+ tokens (-1 = state_slots); see runtime/state_pool.py
     verify_state_slots: int = -1
     cpu_gemm: str = DEFAULT_CPU_GEMM   # fp32 CPU GEMM (runtime/layers/linear.py): auto | onednn | torch

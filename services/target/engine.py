@@ -46,6 +46,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         self.scheduler = TargetScheduler(worker, self.seqs, self._release, self._release_work,
                                          self._answer, self._refuse)
         self.forced = worker.hooks.forced_acceptance     # benchmarks only (TargetHooks)
+        self.loop.prompts_apart = worker.prompts_apart     # where graphs would be lost to mixing
         cfg = worker.config
         self.publisher = FeaturePublisher(plane_transports(cfg.feature_plane, worker.device),
                                           cfg.feature_plane_mib << 20, worker.device)

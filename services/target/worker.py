@@ -400,6 +400,16 @@ class TargetWorker:
         return sorted({q for q in cfg.graph_prefill_sizes
                        if q <= cfg.token_budget and q not in cfg.graph_block_sizes})
 
+    def prompts_apart(self) -> bool:
+        """Whether prompt chunks run in forwards of their own, taking turns with the verifies
+        (EngineLoop.prompts_apart): where prefill graphs were captured, as a batch mixing a
+        chunk with verifies matches no graph and runs eagerly (SmolLM2 on an H100: 20-30 ms
+        eagerly, launch-bound, against a few ms for each graph replay) - unless --mixed-batches.
+        SGLang likewise keeps prefill and decode batches apart unless --enable-mixed-chunk.
+        Tests force it on the CPU through TargetHooks.pad_prefill_to."""
+        return not self.config.mixed_batches and bool(
+            self._prefill_graphs or self.hooks.pad_prefill_to)
+
     def prefill_block(self, rows: int, capture_layers: tuple[int, ...]) -> int:
         """The size a lone prompt chunk of `rows` tokens is padded to, so that it runs as a
         captured graph: the smallest captured prefill size that holds it (0: none; it runs as it
