@@ -10,9 +10,10 @@ step measured; 12 against 31-40 ms), chains about their price - so auto ran the 
 request's step period (its Propose, grammar and Verify round trips: t0 to the Verify's answer)
 is compared with the price of the batch decision it ran under, and the ratio (the median of the
 last PERIOD_WINDOW, per kind and power-of-two band of running requests: a kernel's first run or
-a stall is outvoted by the next two) multiplies that kind's price at that load. A kind not yet measured at a load takes the mean of the kinds that are
-(the level every kind shares, e.g. a slower host), so a correction of one kind alone does not
-by itself make the others look cheap."""
+a stall is outvoted by the next two) multiplies that kind's price at that load. A kind not yet
+measured at a load takes the mean of the kinds that are (the level every kind shares, e.g. a
+slower host), so a correction of one kind alone does not by itself make the others look
+cheap."""
 from __future__ import annotations
 
 import math
