@@ -98,11 +98,9 @@ class VerifyCurve:
         """The point at `tokens` costs over DOMINATED times a bigger size's: that size has a
         CUDA graph and this one runs eagerly (on an H200 a tree of 7 took 22.8 ms, one of 15
         1.6): never worth running."""
-        p, scale = self._points.get(tokens), self._scale()
-        def value(q: _Point) -> float:
-            return q.seconds if q.observed else q.seconds * scale
-        return p is not None and any(t > tokens and value(q) * DOMINATED < value(p)
-                                     for t, q in self._points.items())
+        values = self._values()
+        return tokens in values and any(t > tokens and s * DOMINATED < values[tokens]
+                                        for t, s in values.items())
 
     def runs(self, tokens: int) -> int:
         """How many of serving's forwards of exactly `tokens` rows this curve has seen."""
@@ -154,11 +152,16 @@ class VerifyCurve:
                   and PLAUSIBLE[0] < (r := p.seconds / p.warm) < PLAUSIBLE[1]]
         return statistics.median(ratios) if ratios else 1.0
 
+    def _values(self) -> dict[int, float]:
+        """Each point's time as the curve reads it: serving's, or the warm-up's at _scale."""
+        scale = self._scale()
+        return {t: p.seconds if p.observed else p.seconds * scale
+                for t, p in self._points.items()}
+
     def _fitted(self) -> list[tuple[int, float]]:
         if self._fit is None:
-            scale = self._scale()
-            points = sorted((t, p.seconds if p.observed else p.seconds * scale, p.weight)
-                            for t, p in self._points.items())
+            values = self._values()
+            points = sorted((t, values[t], p.weight) for t, p in self._points.items())
             self._fit = (monotone_fit(points) if self.monotone
                          else [(t, s) for t, s, _ in points])
         return self._fit

@@ -161,9 +161,8 @@ class Generation:
         event = self._deliver(committed, resp.accepted, list(resp.logprobs))
         self.telemetry.step(t1 - t0 if block > 1 else None, t2 - t1, n, resp.accepted)
         if policy is not None:
-            self._learn(policy, shape, drafts, resp, t1 - t0 if block > 1 else None, t2 - t1)
-            if shape is not None and (drafts.tokens or not shape.drafts):   # ran as priced
-                policy.observe_period(self.key, shape, t2 - t0)
+            self._learn(policy, shape, drafts, resp, t1 - t0 if block > 1 else None, t2 - t1,
+                        t2 - t0)
         return event
 
     async def _follow(self) -> None:
@@ -201,8 +200,10 @@ class Generation:
         return self.req.seed is not None and not self.req.greedy
 
     def _learn(self, policy: SpeculationPolicy, shape: Shape | None, drafts: DraftTree,
-               resp: target_pb2.VerifyResponse, propose_s: float | None, verify_s: float) -> None:
-        """--speculation auto: what this step says about acceptance and cost."""
+               resp: target_pb2.VerifyResponse, propose_s: float | None, verify_s: float,
+               period_s: float) -> None:
+        """--speculation auto: what this step says about acceptance and cost (period_s: the
+        whole step, Propose to the Verify's answer)."""
         if shape is not None and drafts.tokens:
             depth = len(drafts.tokens) if drafts.is_chain else max(drafts.depths)
             policy.observe(self.acceptance, shape, depth, resp.accepted)
@@ -216,6 +217,8 @@ class Generation:
             rows, forward_s, queue_s = self.draft.last_forward
             policy.cost.observe_propose(propose_s, rows, not drafts.is_chain, forward_s,
                                         busy=self.admission.running > 1, queue_s=queue_s)
+        if shape is not None and (drafts.tokens or not shape.drafts):   # it ran as priced
+            policy.observe_period(self.key, shape, period_s)
         policy.export(self.state.metrics_model)
 
     async def _constrained(self, drafts: DraftTree) -> tuple[DraftTree, list[bytes] | None]:

@@ -35,11 +35,12 @@ class Recorder:
         return [(kind, seq) for batch in self.batches for kind, seq, _ in batch]
 
 
-def run_with_blocked_engine(budget: int, scenario) -> Recorder:
+def run_with_blocked_engine(budget: int, scenario, prompts_apart: bool = False) -> Recorder:
     """Starts a loop whose first iteration (a verify of "busy") blocks; `scenario(loop)` runs
     meanwhile, then the engine goes on and everything queued is run."""
     step = Recorder()
     loop = EngineLoop(step, token_budget=budget, name="engine-loop-test")
+    loop.prompts_apart = lambda: prompts_apart
 
     async def main():
         loop.start()
@@ -88,45 +89,25 @@ def test_works_of_cost_zero_are_taken_when_the_budget_is_spent():
     assert ("propose", "q") in step.ran
 
 
-def _prompt_and_verifies(loop: EngineLoop):
-    async def scenario(loop: EngineLoop):
-        for work in (Work("verify", "a", None, cost=4),
-                     Work("prefill", "p", None, cost=10, splittable=True),
-                     Work("verify", "b", None, cost=4),
-                     Work("release", "r", None, cost=0, detached=True)):
-            asyncio.ensure_future(loop.submit(work))
-        await asyncio.sleep(0.05)             # all queued behind the busy iteration
-    return scenario
+async def queue_prompt_and_verifies(loop: EngineLoop) -> None:
+    for work in (Work("verify", "a", None, cost=4),
+                 Work("prefill", "p", None, cost=10, splittable=True),
+                 Work("verify", "b", None, cost=4),
+                 Work("release", "r", None, cost=0, detached=True)):
+        asyncio.ensure_future(loop.submit(work))
+    await asyncio.sleep(0.05)                 # all queued behind the busy iteration
 
 
 def test_prompt_chunks_apart_take_turns_with_the_verifies():
     """Where the target captured prefill graphs a batch mixing a prompt chunk with verifies
     would run eagerly: the prompt runs in a forward of its own (with the works of cost 0), the
-    verifies in the next - and while both keep coming they alternate, so neither starves."""
-    step = Recorder()
-    loop = EngineLoop(step, token_budget=32, name="engine-loop-test")
-    loop.prompts_apart = lambda: True
-
-    async def main():
-        loop.start()
-        busy = asyncio.ensure_future(loop.submit(Work("verify", "busy", None, cost=32)))
-        await asyncio.to_thread(step.entered.wait, 5)
-        await _prompt_and_verifies(loop)(loop)
-        step.go.set()
-        await busy
-        await asyncio.to_thread(wait_until, lambda: not (loop.waiting or loop.running), 5,
-                                0.01, "the engine idle")
-
-    try:
-        asyncio.run(main())
-    finally:
-        step.go.set()
-        loop.stop()
+    verifies in the next - while both wait they alternate, so neither starves."""
+    step = run_with_blocked_engine(32, queue_prompt_and_verifies, prompts_apart=True)
     assert step.batches[1:] == [[("release", "r", 0), ("prefill", "p", 10)],
                                 [("verify", "a", 4), ("verify", "b", 4)]]
 
 
 def test_prompt_chunks_share_the_batch_unless_apart():
-    step = run_with_blocked_engine(32, _prompt_and_verifies(None))
+    step = run_with_blocked_engine(32, queue_prompt_and_verifies)
     assert step.batches[1] == [("verify", "a", 4), ("verify", "b", 4), ("release", "r", 0),
                                ("prefill", "p", 10)]
