@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.layers.fused import triton_ops_for
 from runtime.prefix_cache import ROOT, PrefixCache, page_keys
 
 
@@ -131,6 +132,10 @@ class PagedKVCache:
         """k, v [T, nkv, dim] -> slots [T] of the layer, each into its pool. Latent (MLA): k is
         the latent [T, 1, latent_value_dim] and v the rope key [T, 1, rest], both at the key
         scale (one key)."""
+        ops = None if self.fp8 else triton_ops_for(k)
+        if ops is not None:                 # CUDA: both pools in one launch
+            ops.store_kv(self.k[layer], self.v[layer], slots, k, v)
+            return
         k_scale, v_scale = self.scales.k[layer], self.scales.v[layer]
         _index_copy(self.k[layer], slots, self._quantize(k, k_scale))
         _index_copy(self.v[layer], slots,

@@ -107,6 +107,21 @@ def test_prompt_chunks_apart_take_turns_with_the_verifies():
                                 [("verify", "a", 4), ("verify", "b", 4)]]
 
 
+def test_prompts_apart_run_one_sequence_at_a_time():
+    """A prefill graph is captured for one sequence's chunk: two prompts that wait together
+    run in two forwards (the verifies between them), not in one eager batch."""
+    async def scenario(loop: EngineLoop):
+        for work in (Work("prefill", "p", None, cost=10, splittable=True),
+                     Work("prefill", "q", None, cost=6, splittable=True),
+                     Work("verify", "a", None, cost=4)):
+            asyncio.ensure_future(loop.submit(work))
+        await asyncio.sleep(0.05)
+
+    step = run_with_blocked_engine(32, scenario, prompts_apart=True)
+    assert step.batches[1:] == [[("prefill", "p", 10)], [("verify", "a", 4)],
+                                [("prefill", "q", 6)]]
+
+
 def test_prompt_chunks_share_the_batch_unless_apart():
     step = run_with_blocked_engine(32, queue_prompt_and_verifies)
     assert step.batches[1] == [("verify", "a", 4), ("verify", "b", 4), ("release", "r", 0),

@@ -179,3 +179,32 @@ def test_dispatch_keeps_torch_under_autograd():
     assert fused.triton_ops_for(torch.ones(2, 8, device=DEVICE), w) is None
     with torch.no_grad():
         assert fused.triton_ops_for(torch.ones(2, 8, device=DEVICE), w) is triton_ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["dense", "latent"])
+def test_store_kv_writes_what_two_index_copies_write(dtype, kind):
+    """Dense: k and v as strided views of one qkv output; latent (MLA): the latent [T, 1, 512]
+    and the rope key [T, 1, 64] as slices of one projection - rows land in the slots (scattered,
+    a row of 576 and of 8 x 128 crossing the loop's 1 024-element steps), the rest untouched."""
+    t, slots = 7, torch.tensor([9, 2, 30, 31, 0, 17, 5], device=DEVICE)
+    if kind == "dense":
+        _, k = qkv_views(t, 4, 8, 128, dtype)
+        v = rand(t, 8, 128, dtype=dtype, seed=3)
+    else:
+        kv = rand(t, 512 + 64, dtype=dtype, seed=4)
+        k, v = kv[:, :512].unsqueeze(1), kv[:, 512:].unsqueeze(1)
+    pools = [rand(32, *x.shape[1:], dtype=dtype, seed=5 + i) for i, x in enumerate((k, v))]
+    want = [p.clone().index_copy_(0, slots, x) for p, x in zip(pools, (k, v))]
+    triton_ops.store_kv(pools[0], pools[1], slots, k, v)
+    for got, w in zip(pools, want):
+        assert torch.equal(got, w)
+
+
+def test_store_kv_rounds_a_wider_source_into_the_pool():
+    k, v = rand(3, 2, 64, seed=6), rand(3, 2, 64, seed=7)
+    pools = [torch.zeros(8, 2, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    triton_ops.store_kv(pools[0], pools[1], torch.tensor([1, 4, 6], device=DEVICE), k, v)
+    assert_close(pools[0][[1, 4, 6]], k.to(torch.bfloat16))
+    assert_close(pools[1][[1, 4, 6]], v.to(torch.bfloat16))
+    assert not pools[0][[0, 2, 3, 5, 7]].any()

@@ -86,13 +86,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         return wrapper
 
     def _attend_latent(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q [T, nh, lat+rope] -> [T, nh, lat] over the layer's latent pages."""
+        """q [T, nh, lat+rope] -> [T, nh, lat] over the layer's latent pages. The two query
+        parts go in as strided views of q (its kernels take a token and a head stride)."""
         ps, lat = self.meta.page_size, self.cache.latent_value_dim
         ckv = self.cache.k[layer].view(-1, ps, lat)
         kpe = self.cache.v[layer].view(-1, ps, self.head_dim - lat)
         q = q.to(self.cache.k.dtype)
-        return self._mla_wrapper(q.dtype).run(q[..., :lat].contiguous(), q[..., lat:].contiguous(),
-                                              ckv, kpe)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        return self._mla_wrapper(q.dtype).run(q[..., :lat], q[..., lat:], ckv, kpe)
 
     def attend(self, layer: int, q: torch.Tensor, causal: bool, window: int | None
                ) -> torch.Tensor:

@@ -11,6 +11,7 @@ allocations: no host syncs, so every op can be captured in a CUDA graph.
   add_rms_norm  x, residual [..., D] -> (normed, sum)   one launch (sum = x + residual)
   silu_and_mul  gate_up [T, 2I] -> [T, I]               one launch
   rotary        q [T, nh, hd], k [T, nkv, hd] -> both   one launch
+  store_kv      k, v [T, n, d] -> their pools' slots     one launch (two index_copy_ in torch)
 """
 from __future__ import annotations
 
@@ -178,3 +179,46 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
             NH=nh, NKV=nkv, HD=hd, RD=rotary_dim, BLOCK_QH=triton.next_power_of_2(nh),
             BLOCK_KH=triton.next_power_of_2(nkv), BLOCK_D=triton.next_power_of_2(hd), num_warps=4)
     return q_out, k_out
+
+
+# -- KV store: a layer's new keys and values (or MLA's latent and rope key) into their pools --
+STORE_BLOCK = 1024      # elements of a row per loop step
+
+
+@triton.jit
+def _store_row(src, pool, t, slot, stride_t, D: tl.constexpr, BLOCK: tl.constexpr):
+    for lo in tl.static_range(0, D, BLOCK):
+        d = lo + tl.arange(0, BLOCK)
+        x = tl.load(src + t * stride_t + d, mask=d < D)
+        tl.store(pool + slot * D + d, x.to(pool.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _store_kv_kernel(slots, k, v, k_pool, v_pool, stride_k, stride_v,
+                     DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+    """Program t copies row t of k and of v (each [T, D*] with unit inner strides) into row
+    slots[t] of its pool ([S, D*], contiguous)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + t).to(tl.int64)
+    _store_row(k, k_pool, t, slot, stride_k, DK, BLOCK)
+    _store_row(v, v_pool, t, slot, stride_v, DV, BLOCK)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, n, d] -> a [T, n*d] view with a unit inner stride (a copy only if there is none)."""
+    if x.stride(-1) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
+        x = x.contiguous()
+    return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))
+
+
+def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """k [T, n, dk] -> k_pool [S, n, dk] at slots [T] (int64), v likewise into v_pool, cast to
+    the pools' dtype (the same rounding as Tensor.to; not for fp8 pools, which scale first).
+    What kv_cache.PagedKVCache.write's two index_copy_ do, in one launch."""
+    t = slots.shape[0]
+    if not t:
+        return
+    k, v = _rows(k), _rows(v)
+    _store_kv_kernel[(t,)](slots, k, v, k_pool, v_pool, k.stride(0), v.stride(0),
+                           DK=k.shape[1], DV=v.shape[1], BLOCK=STORE_BLOCK, num_warps=4)

@@ -140,17 +140,18 @@ class EngineLoop:
             for queue in (self._urgent, self._prompts):
                 queue[:] = [w for w in queue if not w.cancelled()]
             batch: list[tuple[Work, int]] = []
-            urgent, prompts = self._turns()
+            apart = self.prompts_apart()
+            urgent, prompts = self._turns(apart)
             budget = self._fill(self._urgent, self.token_budget, batch, urgent)
-            self._fill(self._prompts, budget, batch, prompts)
+            self._fill(self._prompts, budget, batch, prompts, 1 if apart else None)
             self._running = len(batch)
             return batch
 
-    def _turns(self) -> tuple[bool, bool]:
+    def _turns(self, apart: bool) -> tuple[bool, bool]:
         """Whether this iteration computes the urgent works (verifies, proposes) and whether it
         computes prompt chunks: both, unless prompts run apart (prompts_apart) - then, while
         both wait, they take turns, so that neither starves."""
-        if not self.prompts_apart():
+        if not apart:
             return True, True
         computing = any(w.remaining for w in self._urgent)
         if not (computing and self._prompts):
@@ -160,12 +161,15 @@ class EngineLoop:
 
     @staticmethod
     def _fill(queue: list[Work], budget: int, batch: list[tuple[Work, int]],
-              computing: bool) -> int:
+              computing: bool, max_computing: int | None = None) -> int:
         """Takes the queue's works FIFO into `batch` within `budget` (a prompt larger than what
         is left is split; the first work always fits); computing False: only works of cost 0
-        (releases, calls). Returns the budget left."""
+        (releases, calls); max_computing: at most that many works with tokens (prompts apart:
+        one sequence's chunk per forward, the batch a prefill graph was captured for). Returns
+        the budget left."""
+        taken = 0
         for w in queue:
-            if w.remaining and not computing:
+            if w.remaining and not (computing and (max_computing is None or taken < max_computing)):
                 continue
             if w.remaining <= budget or not batch:
                 n = w.remaining if (w.remaining <= budget or not w.splittable) else budget
@@ -174,6 +178,7 @@ class EngineLoop:
             else:
                 continue
             batch.append((w, n))
+            taken += bool(w.remaining)
             budget = max(budget - n, 0)      # no break: works of cost 0 (releases) still fit
         return budget
 

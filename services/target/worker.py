@@ -269,7 +269,7 @@ class TargetWorker:
             raise ValueError("--deterministic covers dense attention models; this one has "
                              "recurrent (linear-attention / state-space) layers, whose kernels "
                              "are not batch-invariant")
-        if not getattr(self.model, "graph_capturable", True):
+        if getattr(self.model, "has_moe", False):
             raise ValueError("--deterministic covers dense attention models; this one has "
                              "mixture-of-experts layers, whose grouped GEMMs are not "
                              "batch-invariant")
@@ -336,19 +336,17 @@ class TargetWorker:
     def capture_cuda_graphs(self) -> None:
         """Captures verify forwards for each configured block size (and the configured feature
         layers) at bucketed batch sizes, and one sequence's prompt chunks at each prefill size
-        (within the token budget). Eager fallback: not on CUDA, a hybrid model, a model
-        whose forward syncs with the host (mixture-of-experts routing), a backend that cannot
-        bind static buffers (torch, flashinfer), or --no-cuda-graphs. Tensor-parallel followers
-        capture the same graphs at the same time (their all-reduces pair inside them)."""
+        (within the token budget). Eager fallback: not on CUDA, a hybrid model, a backend that
+        cannot bind static buffers (torch, flashinfer), or --no-cuda-graphs. Tensor-parallel followers
+        capture the same graphs at the same time (their all-reduces pair inside them).
+        Mixture-of-experts layers are captured too: on CUDA their routing and grouped GEMMs
+        stay on the device (runtime/layers/moe.py)."""
         if self.ranks is not None:
             self.ranks.send("capture_cuda_graphs")
         cfg = self.config
         backend = self.attn_backend
         if (not cfg.cuda_graphs or self.device.type != "cuda" or self.facts.hybrid
                 or not hasattr(backend, "bind")):
-            return
-        if not getattr(self.model, "graph_capturable", True):
-            log.info("cuda graphs off: this model's mixture-of-experts layers run eagerly")
             return
         from runtime.cuda_graphs import GraphRunner
         model = self.model
