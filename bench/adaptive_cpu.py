@@ -138,6 +138,9 @@ def measure(args: argparse.Namespace, svc: Services, prompts: list[list[int]],
         times: dict[str, list[float]] = {k: [] for k in labels}
         same: dict[str, int] = {}          # outputs equal to the autoregressive one's (bf16 on a
                                            # GPU is not batch-invariant: near-ties may flip)
+        if args.level_warmup:     # unmeasured: a load band auto has not seen is explored here,
+            for port, _ in gateways.values():        # and kernels meet the level's shapes
+                asyncio.run(run(f"127.0.0.1:{port}", batch, c, args.max_tokens))
         before = chosen(gateways[AUTO][1])
         for r in range(args.rounds):
             # odd rounds in reverse order: no configuration always runs first or last (the
@@ -219,7 +222,9 @@ def markdown(r: dict) -> str:
               f"Output tokens/s over {r['requests_min']}+ greedy "
               f"requests of {r['max_tokens']} tokens (EOS ignored) per level through each "
               f"configuration's own gateway on one target + draft ({setup(r)}), median of "
-              f"{r['rounds']} interleaved rounds."), "",
+              f"{r['rounds']} interleaved rounds"
+              + (", after one unmeasured run of the level's requests through every "
+                 "configuration." if r.get("level_warmup") else ".")), "",
              "| configuration | " + " | ".join(f"{c} at once" for c in levels) + " |",
              "|---|" + "---|" * len(levels)]
     by = {(row["config"], row["concurrency"]): row["tokens_per_s"] for row in r["rows"]}
@@ -353,6 +358,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape", default="smollm2", choices=("smollm2", "qwen3-8b"))
     p.add_argument("--force-profile", default="",
                    help=f"--shape qwen3-8b: P1,P2,.. (default {PROFILE})")
+    p.add_argument("--level-warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="every configuration runs each level's requests once, unmeasured, "
+                        "before its measured rounds (auto explores a load band it has not seen "
+                        "there, as a long-running service would have; Triton compiles the "
+                        "level's shapes). Default: on a GPU")
     p.add_argument("--keep-logs", default="",
                    help="copy the services' logs here at the end, the auto gateway's at debug "
                         "level (every batch decision with its options' prices, every timed "
@@ -365,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
         r = json.loads(Path(args.out).read_text())
         write_section(Path(args.doc), section(r), markdown(r))
         return
+    if args.level_warmup is None:
+        args.level_warmup = args.device != "cpu"
     levels = tuple(int(x) for x in args.levels.split(","))
     chains = tuple(int(x) for x in args.chains.split(",") if x)
     trees = tuple(int(x) for x in args.trees.split(",") if x)
@@ -375,7 +387,8 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
                     "command": "python -m bench.adaptive_cpu " + " ".join(argv or sys.argv[1:]),
                     "max_tokens": args.max_tokens, "requests_min": args.min_requests,
-                    "rounds": args.rounds, "levels": list(levels), "device": args.device,
+                    "rounds": args.rounds, "level_warmup": args.level_warmup,
+                    "levels": list(levels), "device": args.device,
                     "dtype": dtype, "shape": args.shape}
     if args.tiny:
         result.update(tiny_fields())
