@@ -13,6 +13,12 @@ if not torch.cuda.is_available():
     # Triton kernels run through its interpreter on CPU tensors (correctness only). Must be set
     # before any @triton.jit function is created.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        try:
+            from support.triton_interpreter import make_dots_row_independent
+            make_dots_row_independent()     # a row's dot not depending on the host's BLAS
+        except ImportError:                 # no triton: its tests skip
+            pass
 
 
 @pytest.fixture(scope="session")
