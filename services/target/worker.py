@@ -340,7 +340,8 @@ class TargetWorker:
         cannot bind static buffers (torch, flashinfer), or --no-cuda-graphs. Tensor-parallel followers
         capture the same graphs at the same time (their all-reduces pair inside them).
         Mixture-of-experts layers are captured too: on CUDA their routing and grouped GEMMs
-        stay on the device (runtime/layers/moe.py)."""
+        stay on the device (runtime/layers/moe.py); should their capture fail, such a model
+        runs eagerly (logged), as it did before."""
         if self.ranks is not None:
             self.ranks.send("capture_cuda_graphs")
         cfg = self.config
@@ -348,10 +349,28 @@ class TargetWorker:
         if (not cfg.cuda_graphs or self.device.type != "cuda" or self.facts.hybrid
                 or not hasattr(backend, "bind")):
             return
-        from runtime.cuda_graphs import GraphRunner
-        model = self.model
         # no features (autoregressive verify, drafters without features) and the drafter's layers
         layer_sets = sorted({(), tuple(cfg.graph_capture_layers)})
+        try:
+            self._capture(layer_sets)
+        except RuntimeError as e:
+            if not getattr(self.model, "has_moe", False):
+                raise
+            self._graphs.clear()
+            self._tree_graphs.clear()
+            self._prefill_graphs.clear()
+            log.warning("cuda graphs off: capturing this model's mixture-of-experts forward "
+                        "failed (%s); it runs eagerly", e)
+            return
+        log.info("cuda graphs ready", extra={"block_sizes": cfg.graph_block_sizes,
+                                             "prefill_sizes": self._prefill_sizes(),
+                                             "tree_sizes": sorted({q for q, _ in self._tree_graphs}),
+                                             "capture_layers": layer_sets})
+
+    def _capture(self, layer_sets: list[tuple[int, ...]]) -> None:
+        """The graphs capture_cuda_graphs describes, for each set of feature layers."""
+        from runtime.cuda_graphs import GraphRunner
+        cfg, backend, model = self.config, self.attn_backend, self.model
         with torch.inference_mode():
             for layers in layer_sets:
                 def forward(ids, pos, meta, layers=layers):
@@ -371,10 +390,6 @@ class TargetWorker:
                                          self.facts.max_context, causal=True, buckets=(1,))
                     runner.capture()
                     self._prefill_graphs[(q, layers)] = runner
-        log.info("cuda graphs ready", extra={"block_sizes": cfg.graph_block_sizes,
-                                             "prefill_sizes": self._prefill_sizes(),
-                                             "tree_sizes": sorted({q for q, _ in self._tree_graphs}),
-                                             "capture_layers": layer_sets})
 
     @property
     def padded_blocks(self) -> tuple[int, ...]:
