@@ -188,33 +188,31 @@ def summary(on: dict, off: dict) -> dict:
             and s_on["outputs"] == s_off["outputs"]}
 
 
-GPU_NOTES = """Reading it (session 40, at 7b351fc; an H100, with `--warmup`). Two changes since
-the H200 run of 2026-12-05 (multi-turn 591 against 686 tokens/s, later turns' TTFT 45.5
-against 51.2 ms, behind the shared system prompt 28.3 against 90.2 ms; archived in
-`bench/results/archive/prefix_cache_gpu_h200_session36.json`):
+GPU_NOTES = """Reading it (session 41, at 48676f8; an H100, with `--warmup`). Since session 40's
+run at 7b351fc (multi-turn 670.3 against 662.2 tokens/s, later turns' TTFT 43.6 against 35.3
+ms, behind the shared system prompt 10.7 against 16.8 ms; `bench/results/gpu/session40/
+prefix_cache_gpu_h100.json`; the H200 run of 2026-12-05 is archived in
+`bench/results/archive/prefix_cache_gpu_h200_session36.json`; session 40 brought prefill
+graphs - the 1 941-token prompt's Prefill from 90 to 15 ms - and the draft's absorb of a prompt
+that is not drafted for, without which nothing hit behind the shared system prompt:
+`bench/results/gpu/session40/prefix_cache_gpu_h100_before_absorb.json`), prompt chunks run in forwards of
+their own on a GPU, taking turns with the verifies (`EngineLoop.prompts_apart`): a batch that
+mixed a chunk with verifies matched no CUDA graph and ran eagerly. The multi-turn workload went
+from 670 to 871 tokens/s with the cache and from 662 to 954 without it, later turns' TTFT from
+43.6 to 30.3 and from 35.3 to 28.1 ms.
 
-- A lone prompt chunk runs as a captured CUDA graph, padded to the smallest of
-  `--graph-prefill-sizes`: the 1 941-token prompt's Prefill went from 90 to 15 ms (four chunks,
-  each a graph of 512 rows), so without the cache a shared-system-prompt question's TTFT is now
-  16.8 ms against 90.2 before; the eager path was launch-bound, not compute-bound.
-- An H100 run before the next fix (`bench/results/gpu/session40/prefix_cache_gpu_h100_before_absorb.json`)
-  hit nothing behind the shared system prompt: auto never drafted there, so the draft never
-  took the prompt's context and never cached it, and the target reuses a cached prefix only as
-  far as the draft holds it (it must compute the features of the rest). Now a request's first
-  step without drafts sends the draft its prompt (a Propose of block 1): hit rates 0.78 / 0.82
-  again, as on the CPU.
-
-With both, the cache cuts the shared-prompt TTFT 1.57x (10.7 against 16.8 ms) and leaves the
-multi-turn workload where it was (1.01x; later turns' TTFT 43.6 against 35.3 ms at c = 8, where
-a turn's prefill waits for the other conversations' steps in the target's queue: the Prefill
-round trip is ~35 ms with or without the cache, the forward a few ms). On this GPU a 135M
-model's prefill is no longer what time to first token is made of - the fixed costs are (two
-gRPC round trips, the engine's queue, the gateway): the goals (TTFT of later turns >= 5x lower,
-multi-turn >= 1.5x at c = 8) need a target whose prefill dominates (a larger model, longer
-histories), or a shorter path than the services' queue for a cached prompt's few new tokens.
-Both missed. Outputs differ with and without the cache in bf16 (a prefill that starts after a
-cached prefix rounds differently; `--deterministic` makes them equal), on the CPU in fp32 they
-are identical."""
+The goals stay missed, by more than before on throughput: the cache now costs the multi-turn
+workload (0.91x; TTFT of later turns 0.93x) and cuts the shared-prompt TTFT 1.71x (9.4
+against 16.1 ms). At c = 8 the Prefill round trip is still 28 ms (cache on) and 22 ms (off)
+against a forward of about 4 ms: in this run every prompt waiting at a prompts' turn still went
+into one forward - several conversations' turns at once, a batch no prefill graph was captured
+for (they are captured for one sequence), so it ran eagerly. Since then (unmeasured) a prompts'
+turn takes one sequence's chunk. On this GPU a 135M model's prefill is not what time to first
+token is made of - the fixed costs are (two gRPC round trips, the engine's queue, the gateway):
+the goals (TTFT of later turns >= 5x lower, multi-turn >= 1.5x at c = 8) need a target whose
+prefill dominates (a larger model, longer histories). Outputs differ with and without the cache
+in bf16 (a prefill that starts after a cached prefix rounds differently; `--deterministic` makes
+them equal); on the CPU in fp32 they are identical."""
 
 BREAKDOWN_ROWS = ("ttft", "target.Prefill", "draft.OpenSequence", "target.Verify",
                   "draft.Propose", "target.forward", "draft.forward", "step.gateway",
