@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     tiny_outputs(args, ap, "invariant_gemm_gpu", ("out",))
     if args.tiny:
         os.environ["TRITON_INTERPRET"] = "1"         # before triton's first kernel is built
+        from runtime.triton_interpreter import make_dots_row_independent
+        make_dots_row_independent()                  # a row's dot not the host BLAS's
     from runtime.layers.invariant_gemm import has_tma
     models = TINY_MODELS if args.tiny else MODELS
     rows = TINY_ROWS if args.tiny else ROWS

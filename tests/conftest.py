@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ["TRITON_INTERPRET"] == "1":
         try:
-            from support.triton_interpreter import make_dots_row_independent
+            from runtime.triton_interpreter import make_dots_row_independent
             make_dots_row_independent()     # a row's dot not depending on the host's BLAS
         except ImportError:                 # no triton: its tests skip
             pass

@@ -3,10 +3,11 @@ matmul, i.e. the host's BLAS. A GPU's MMA adds a row's K products in an order fi
 whatever row of the tile it is; the BLAS need not: on an AMD EPYC of the Zen 3 generation
 (OpenBLAS's Haswell kernels) a row's fp32 result depends on where it sits in the tile, so a row
 computed alone and the same row in a block of 16 differ in the last bit - which the
-batch-invariance tests (tests/test_batch_invariance.py) were written to catch in our kernels,
-not in the emulator. `make_dots_row_independent` replaces the interpreter's dot with products
-summed over K in order for every output element (the same arithmetic for every row); the
-kernels' code is unchanged, and on a GPU the tests run natively."""
+batch-invariance tests (tests/test_batch_invariance.py) and `bench.invariant_gemm_gpu --tiny`
+were written to catch in our kernels, not in the emulator. `make_dots_row_independent` replaces
+the interpreter's dot with products summed over K in order for every output element (the same
+arithmetic for every row). For the interpreter only (the CPU tests and tiny benchmarks): the
+kernels' code is unchanged, and on a GPU nothing here runs."""
 from __future__ import annotations
 
 import numpy as np
