@@ -127,8 +127,10 @@ def test_streamed_chat_logprobs_match_the_whole_answer(gateways):
     for chunk in c.chat.completions.create(stream=True, **kwargs):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             streamed.extend(chunk.choices[0].logprobs.content)
-    assert [(e.token, round(e.logprob, 4)) for e in streamed] == \
-        [(e.token, round(e.logprob, 4)) for e in whole]
+    # the same tokens; their logprobs to fp32 GEMM rounding: the second request's prefill starts
+    # after the first one's cached prefix (other row counts, other last bits)
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, whole)) < 1e-4
 
 
 def test_legacy_completion_logprobs(gateways):
