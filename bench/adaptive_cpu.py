@@ -299,6 +299,18 @@ below). What the logs show:
   steps (0.76x): a non-drafting step through a stack with a draft still captures and publishes
   the draft's features, and exploration runs the runner-up.
 
+A later run (session 41, at 48676f8, the same H100 kind, prompt chunks now apart from the
+verifies; `bench/results/gpu/session41/adaptive_gpu_h100_prompts_apart.json`, the auto gateway's
+log beside it): the fixed shapes got faster at 8-32 requests (chain 6 at 8: 1,507 tokens/s,
+chain 16 at 32: 3,581; autoregressive 1,332 and 2,272) and auto did not follow - 0.67, 0.91,
+0.84, 0.67, 0.61, 0.53x the best fixed shape, below autoregressive at 4-32 requests (0.74-1.00x).
+At 8 it chose no drafts for 387 of 419 steps and still ran 0.76x autoregressive (the rest were
+trees of 64, exploring); at 16 it verified trees of about 21 in 285 of 481 steps, where chains of
+6 win; at one request it mixed chains of about 6 (216 steps) with trees of 63 (59), against fixed trees
+of 63 at 564 tokens/s. Each level began with auto meeting a load band it had not timed, in a
+run of 8-32 requests; `--level-warmup` (on by default on a GPU since) runs every configuration
+through each level once unmeasured first. Not rerun: no device could be had again that session.
+
 The runs are short (8-32 requests of 64 tokens, one round): a fixed shape's own rate moves
 10-20 % between runs (autoregressive at 4 requests: 785 and 849 tokens/s an hour apart). Earlier
 GPU runs (SmolLM2, auto / best fixed at 1, 2, 4, 8, 16, 32): session 38 at 46af736 (an H200)
