@@ -339,15 +339,22 @@ class TargetWorker:
         (within the token budget). Eager fallback: not on CUDA, a hybrid model, a backend that
         cannot bind static buffers (torch, flashinfer), or --no-cuda-graphs. Tensor-parallel followers
         capture the same graphs at the same time (their all-reduces pair inside them).
-        Mixture-of-experts layers are captured too: on CUDA their routing and grouped GEMMs
-        stay on the device (runtime/layers/moe.py); should their capture fail, such a model
-        runs eagerly (logged), as it did before."""
+        Mixture-of-experts layers are captured too in bf16: on CUDA their routing and grouped
+        GEMMs stay on the device (runtime/layers/moe.py; on an H100 the replay equals the eager
+        forward bitwise); in other dtypes torch's grouped GEMM copies its group offsets to the
+        host, which no capture allows, so such a model runs eagerly (logged), as it does should
+        a capture fail."""
         if self.ranks is not None:
             self.ranks.send("capture_cuda_graphs")
         cfg = self.config
         backend = self.attn_backend
         if (not cfg.cuda_graphs or self.device.type != "cuda" or self.facts.hybrid
                 or not hasattr(backend, "bind")):
+            return
+        if getattr(self.model, "has_moe", False) and self.dtype != torch.bfloat16:
+            log.info("cuda graphs off: this model's mixture-of-experts layers run eagerly in "
+                     "%s (torch's grouped GEMM copies its offsets to the host outside bf16)",
+                     self.dtype)
             return
         # no features (autoregressive verify, drafters without features) and the drafter's layers
         layer_sets = sorted({(), tuple(cfg.graph_capture_layers)})
