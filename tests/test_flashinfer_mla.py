@@ -9,6 +9,8 @@ pytest.importorskip("flashinfer")
 if not torch.cuda.is_available():
     pytest.skip("FlashInfer needs CUDA", allow_module_level=True)
 
+from support.mla_worker import mla_worker_logits
+
 from runtime.attention.flashinfer_backend import FlashInferAttentionBackend
 from runtime.attention.metadata import AttentionMetadata, SeqSlice
 from runtime.attention.torch_backend import TorchAttentionBackend
@@ -48,20 +50,11 @@ def test_flashinfer_mla_in_the_target_worker(tmp_path):
     """A tiny DeepSeek-V3 through the worker with each backend; a verified tree runs on the
     triton fallback over the same pages."""
     from dflash.prepare.tiny_mla import make_tiny_mla
-    from services.target.config import TargetConfig
-    from services.target.worker import TargetWorker
     path = make_tiny_mla(tmp_path / "mla", 3, kv_lora_rank=512, qk_rope_head_dim=64)
     logits = []
     for name in ("torch", "flashinfer"):
-        w = TargetWorker(TargetConfig(str(path), attention_backend=name, dtype="bfloat16",
-                                      kv_budget_bytes=4 << 20, page_size=16, device="cuda"))
-        w.alloc_memory_pools()
-        w.init_attention_backends()
-        t = PageTable()
-        w.kv_cache.ensure(t, 41)
-        ids = torch.arange(3, 44)
-        outs = [w.forward([SeqSlice(t, lo, n)], ids[lo:lo + n], torch.arange(lo, lo + n), ())
-                for lo, n in [(0, 24), (24, 16), (40, 1)]]
-        logits.append(torch.cat([w.logits(o.hidden) for o in outs]).float().cpu())
+        out, w = mla_worker_logits(path, "cuda", attention_backend=name, dtype="bfloat16",
+                                   page_size=16)
+        logits.append(out)
         assert w._tree_backend.name == ("triton" if name == "flashinfer" else "torch")
     assert (logits[0] - logits[1]).abs().max().item() < 5e-2

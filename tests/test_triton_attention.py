@@ -7,6 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from support.mla_worker import mla_worker_logits
+
 from runtime.attention.metadata import AttentionMetadata, SeqSlice
 from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.attention.triton_backend import TritonAttentionBackend
@@ -189,25 +191,6 @@ def test_fp8_dense_cache_matches_torch():
     assert (ref - tri).abs().max().item() < 1e-4
 
 
-def mla_worker_logits(path, **config) -> tuple[torch.Tensor, object]:
-    """A tiny DeepSeek-V3's worker started through every stage (graphs captured where they can
-    be) -> (the logits of a prompt chunk of 24, a verify block of 16 and a decode step, the
-    worker)."""
-    from services.target.config import TargetConfig
-    from services.target.worker import TargetWorker
-    w = TargetWorker(TargetConfig(str(path), kv_budget_bytes=4 << 20, page_size=4, device=DEVICE,
-                                  **config))
-    w.alloc_memory_pools()
-    w.init_attention_backends()
-    w.capture_cuda_graphs()
-    t = PageTable()
-    w.kv_cache.ensure(t, 41)
-    ids = torch.arange(3, 44)
-    outs = [w.forward([SeqSlice(t, lo, n)], ids[lo:lo + n], torch.arange(lo, lo + n), ())
-            for lo, n in [(0, 24), (24, 16), (40, 1)]]
-    return torch.cat([w.logits(o.hidden) for o in outs]).cpu(), w
-
-
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("moe", [True, False])
 def test_triton_mla_in_the_target_worker_matches_torch(tmp_path, kv, moe):
@@ -219,7 +202,7 @@ def test_triton_mla_in_the_target_worker_matches_torch(tmp_path, kv, moe):
     path = make_tiny_mla(tmp_path / "mla", 3, first_k_dense_replace=1 if moe else 3)
     logits = []
     for name in ("torch", "triton"):
-        out, w = mla_worker_logits(path, attention_backend=name, kv_cache_dtype=kv)
+        out, w = mla_worker_logits(path, DEVICE, attention_backend=name, kv_cache_dtype=kv)
         logits.append(out)
         assert bool(w._graphs) == (name == "triton" and DEVICE == "cuda" and not moe)  # fp32
     assert (logits[0] - logits[1]).abs().max().item() < 1e-3
@@ -234,7 +217,7 @@ def test_a_moe_model_replayed_from_cuda_graphs_in_bf16_equals_its_eager_forward(
     path = make_tiny_mla(tmp_path / "mla", 3, first_k_dense_replace=1)
     logits = []
     for graphs in (True, False):
-        out, w = mla_worker_logits(path, attention_backend="triton", dtype="bfloat16",
+        out, w = mla_worker_logits(path, DEVICE, attention_backend="triton", dtype="bfloat16",
                                    cuda_graphs=graphs)
         logits.append(out)
         assert bool(w._graphs) == graphs and bool(w._prefill_graphs) == graphs

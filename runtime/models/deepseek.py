@@ -228,8 +228,9 @@ class DeepseekDecoder(DenseDecoder):
 
     @property
     def has_moe(self) -> bool:
-        """Mixture-of-experts layers: on CUDA their grouped path (no host sync) is captured in
-        CUDA graphs with the rest of the forward; their GEMMs are not batch-invariant."""
+        """Mixture-of-experts layers: on CUDA in bf16 their grouped path (no host sync) is
+        captured in CUDA graphs with the rest of the forward (not in other dtypes:
+        TargetWorker.capture_cuda_graphs); their GEMMs are not batch-invariant."""
         return any(self.mla_cfg.is_moe(i) for i in range(self.cfg.num_layers))
 
     @property

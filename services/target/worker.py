@@ -342,8 +342,7 @@ class TargetWorker:
         Mixture-of-experts layers are captured too in bf16: on CUDA their routing and grouped
         GEMMs stay on the device (runtime/layers/moe.py; on an H100 the replay equals the eager
         forward bitwise); in other dtypes torch's grouped GEMM copies its group offsets to the
-        host, which no capture allows, so such a model runs eagerly (logged), as it does should
-        a capture fail."""
+        host, which no capture allows, so such a model runs eagerly there (logged)."""
         if self.ranks is not None:
             self.ranks.send("capture_cuda_graphs")
         cfg = self.config
@@ -358,17 +357,7 @@ class TargetWorker:
             return
         # no features (autoregressive verify, drafters without features) and the drafter's layers
         layer_sets = sorted({(), tuple(cfg.graph_capture_layers)})
-        try:
-            self._capture(layer_sets)
-        except RuntimeError as e:
-            if not getattr(self.model, "has_moe", False):
-                raise
-            self._graphs.clear()
-            self._tree_graphs.clear()
-            self._prefill_graphs.clear()
-            log.warning("cuda graphs off: capturing this model's mixture-of-experts forward "
-                        "failed (%s); it runs eagerly", e)
-            return
+        self._capture(layer_sets)
         log.info("cuda graphs ready", extra={"block_sizes": cfg.graph_block_sizes,
                                              "prefill_sizes": self._prefill_sizes(),
                                              "tree_sizes": sorted({q for q, _ in self._tree_graphs}),
