@@ -491,6 +491,10 @@ def main(argv: list[str] | None = None) -> None:
                          "(parts ar and services)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="the target's: auto | fp8_e4m3")
     ap.add_argument("--attention-backend", default="triton", help="on a GPU: triton | flashinfer")
+    ap.add_argument("--target-kv", default="40GiB",
+                    help="the target's KV budget on a GPU (the H200's sizing; an 80 GB card "
+                         "takes about 20GiB beside the DeepSeek-V2-Lite shape's 31 GB weights)")
+    ap.add_argument("--draft-kv", default="6GiB", help="the draft's KV budget on a GPU")
     ap.add_argument("--deterministic", action="store_true",
                     help="the target and the draft with batch-invariant kernels (its cost)")
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -515,8 +519,8 @@ def main(argv: list[str] | None = None) -> None:
     args.device = "cpu" if args.tiny else "cuda"
     args.dtype = "float32" if args.tiny else "bfloat16"
     args.backend = "torch" if args.tiny else args.attention_backend
-    args.target_kv = "64MiB" if args.tiny else "40GiB"
-    args.draft_kv = "32MiB" if args.tiny else "6GiB"
+    if args.tiny:
+        args.target_kv, args.draft_kv = "64MiB", "32MiB"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rec = Recorder(out / "gpu_side_by_side.json")

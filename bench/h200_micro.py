@@ -77,6 +77,19 @@ def timed(fn, device: str, warmup: int = 2, iters: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_timed(fn, reps: int = 20, iters: int = 10) -> float:
+    """Median milliseconds of one fn() replayed from a CUDA graph of `reps` calls: the GPU's
+    time alone, without the host's launch time (the services replay their forwards so)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return timed(graph.replay, "cuda", warmup=1, iters=iters) / reps
+
+
 def write_model_dirs(root: Path, target_cfg: dict, taps: list[int],
                      draft_base: dict | None = None) -> tuple[Path, Path]:
     """A target directory of `target_cfg` and a DFlash drafter of 5 layers, block 16, tapping
@@ -143,9 +156,10 @@ def attention(name: str, device: str, bs: int, ctx: int, block: int, shape: dict
 
 
 def mla_attention(name: str, device: str, bs: int, ctx: int, block: int, heads: int,
-                  kv_dtype: torch.dtype, lat: int = 512, rope: int = 64) -> float:
-    """ms per layer: one verify-block MLA attention (absorbed form) over a paged latent cache
-    of our own layout, through one of our backends (torch, triton)."""
+                  kv_dtype: torch.dtype, lat: int = 512, rope: int = 64):
+    """One layer's verify-block MLA attention (absorbed form: the cache write, then attention)
+    over a paged latent cache of our own layout, through one of our backends (torch, triton,
+    flashinfer) -> the call to time."""
     from runtime.attention.metadata import AttentionMetadata, SeqSlice
     from runtime.attention.registry import backend_class
     from runtime.kv_cache import PagedKVCache, PageTable
@@ -164,13 +178,13 @@ def mla_attention(name: str, device: str, bs: int, ctx: int, block: int, heads: 
     q = torch.randn(bs * block, heads, lat + rope, dtype=dtype, device=device)
     latent = torch.randn(bs * block, 1, lat, dtype=dtype, device=device)
     k_rope = torch.randn(bs * block, 1, rope, dtype=dtype, device=device)
-    return timed(lambda: be.forward(0, q, latent, k_rope), device, warmup=3, iters=20)
+    return lambda: be.forward(0, q, latent, k_rope)
 
 
 def flashinfer_mla_attention(bs: int, ctx: int, block: int, heads: int, lat: int = 512,
-                             rope: int = 64) -> float:
-    """ms per layer: FlashInfer's MLA wrapper (its own cache layout: latent and rope pages
-    apart), the same verify-block attention, bf16."""
+                             rope: int = 64):
+    """FlashInfer's MLA wrapper alone (its own cache layout: latent and rope pages apart), the
+    same verify-block attention, bf16 -> the call to time."""
     import flashinfer
     ps, dev, dt = 16, "cuda", torch.bfloat16
     per_seq = -(-(ctx + block) // ps)
@@ -184,13 +198,15 @@ def flashinfer_mla_attention(bs: int, ctx: int, block: int, heads: int, lat: int
                  heads, lat, rope, ps, True, (128 + rope) ** -0.5, dt, dt)
     q_nope = torch.randn(bs * block, heads, lat, dtype=dt, device=dev)
     q_pe = torch.randn(bs * block, heads, rope, dtype=dt, device=dev)
-    return timed(lambda: wrapper.run(q_nope, q_pe, ckv, kpe), "cuda", warmup=3, iters=20)
+    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
 
 
 def mla_rows(device: str, rec: Recorder, tiny: bool) -> list[dict]:
     """Our MLA backends (triton, flashinfer: its MLA wrapper on our pages, torch) and FlashInfer's
     wrapper on its own contiguous layout, by heads, verify block and cache dtype: batch 32 at
-    context 4096 (tiny: torch, batch 2 at 64)."""
+    context 4096 (tiny: torch, batch 2 at 64). On a GPU each is timed twice: called from the
+    host (`*_ms`, launch time included) and replayed from a CUDA graph (`*_graph_ms`, the GPU's
+    time: how the services run it)."""
     rows = []
     bs, ctx = (2, 64) if tiny else (32, 4096)
     names = ("torch",) if tiny else ("triton", "flashinfer", "torch")
@@ -202,20 +218,29 @@ def mla_rows(device: str, rec: Recorder, tiny: bool) -> list[dict]:
                 for name in names:
                     if name == "flashinfer" and kv != torch.bfloat16:
                         continue                    # our flashinfer backend: no fp8 cache
-                    try:
-                        row[f"{name}_ms"] = round(mla_attention(name, device, bs, ctx, block,
-                                                                heads, kv), 4)
-                    except Exception as e:  # noqa: BLE001 - kept in the JSON
-                        row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+                    time_mla(row, name, device, lambda: mla_attention(
+                        name, device, bs, ctx, block, heads, kv))
                 if not tiny and kv == torch.bfloat16:
-                    try:
-                        row["flashinfer_own_layout_ms"] = round(
-                            flashinfer_mla_attention(bs, ctx, block, heads), 4)
-                    except Exception as e:  # noqa: BLE001
-                        row["flashinfer_own_layout_error"] = f"{type(e).__name__}: {e}"[:300]
+                    time_mla(row, "flashinfer_own_layout", device,
+                             lambda: flashinfer_mla_attention(bs, ctx, block, heads))
                 rows.append(row)
                 rec.put("mla_attention", rows)
     return rows
+
+
+def time_mla(row: dict, name: str, device: str, make) -> None:
+    """row[name_ms] (and on a GPU row[name_graph_ms]) for the call make() returns, or
+    row[name_error]: one failing part does not lose the others."""
+    try:
+        fn = make()
+        row[f"{name}_ms"] = round(timed(fn, device, warmup=3, iters=20), 4)
+        if device == "cuda":
+            row[f"{name}_graph_ms"] = round(graph_timed(fn), 4)
+    except Exception as e:  # noqa: BLE001 - kept in the JSON
+        row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def target_steps(tdir: Path, device: str, rec: Recorder, batches, blocks, ctx: int, backend: str,

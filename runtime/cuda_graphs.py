@@ -1,7 +1,8 @@
 """CUDA graphs for fixed-shape forwards: every sequence of the batch appends exactly q_len tokens
 (verify blocks on the target, propose blocks on the draft). Graphs are captured per batch-size
 bucket, largest first, into one memory pool; a smaller batch is padded with dummy sequences that
-write into the cache's scratch page 0. Requires a backend with `bind()` (triton). A runner made
+write into the cache's scratch page 0. Requires a backend that captures_cuda_graphs (triton;
+flashinfer for MLA models, which plans each replay on the host: plan_graph). A runner made
 with tree=True also reads each sequence's tree mask (SeqSlice.tree; causal where it has none)
 from a static buffer: verifies of trees of drafts."""
 from __future__ import annotations
@@ -84,6 +85,7 @@ class GraphRunner:
             st.packed32.copy_(st.host32)
             if st.tree is not None:
                 st.tree.copy_(st.host_tree)
+            self._plan(st, [])
             meta = self._static_meta(st, bs)
             torch.cuda.synchronize()
             for _ in range(2):                      # warm up kernels (autotune, JIT) off-graph
@@ -130,6 +132,7 @@ class GraphRunner:
                 rows.copy_(tree_rows(s.tree, q, rows.shape[1]) if s.tree is not None
                            else self._causal_bits)
             st.tree.copy_(st.host_tree, non_blocking=True)
+        self._plan(st, slices)
         st.graph.replay()
         captured = st.out.captured[:n] if st.out.captured is not None else None
         return ForwardOutput(hidden=st.out.hidden[:n], captured=captured)
@@ -165,6 +168,12 @@ class GraphRunner:
         st.host32[st.bs:].view(st.bs, -1)[start:].zero_()
         if st.host_tree is not None:
             st.host_tree[lo:] = self._causal_bits.repeat(st.bs - start, 1)
+
+    def _plan(self, st: _Static, slices: list[SeqSlice]) -> None:
+        """The backend's host work for this replay: the real sequences, then dummies."""
+        pad = st.bs - len(slices)
+        self.backend.plan_graph(self.q_len, [s.prefix_len for s in slices] + [0] * pad,
+                                [s.table.pages for s in slices] + [[0]] * pad, self.max_pages)
 
     def _static_meta(self, st: _Static, bs: int) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping=st.slots, q_lens=[self.q_len] * bs,

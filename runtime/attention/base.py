@@ -34,6 +34,27 @@ class AttentionBackend(ABC):
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
 
+    # -- CUDA graphs (runtime/cuda_graphs.py) -----------------------------------------------
+    @property
+    def captures_cuda_graphs(self) -> bool:
+        """Whether forwards through this backend can be captured by a GraphRunner: the backend
+        reads its per-forward inputs from device buffers that bind() hands it once at capture
+        and the runner refills before each replay (plus plan_graph()'s host work)."""
+        return False
+
+    def bind(self, cu_q: torch.Tensor, prefix: torch.Tensor, tables: torch.Tensor,
+             max_q_len: int, tree: torch.Tensor | None = None) -> None:
+        """Point the backend at a graph's static buffers: cu_q int32 [bs+1], prefix int32 [bs],
+        tables int32 [bs, P], tree int64 [T, W] or None."""
+        raise NotImplementedError(f"the {self.name} backend is not captured in CUDA graphs")
+
+    def plan_graph(self, q_len: int, prefix_lens: list[int], page_lists: list[list[int]],
+                   max_pages: int) -> None:
+        """Host work before a captured graph of len(prefix_lens) sequences appending q_len
+        tokens each runs (its capture and every replay), from the host's view of the batch
+        (dummy sequences included: prefix 0, pages [0]). Nothing for kernels that read
+        everything from the bound buffers (triton)."""
+
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """k, v [T, nkv, hd] -> cache slots [T] (a latent cache: the latent and the rope key)."""

@@ -70,6 +70,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_trees = True
     supports_latent_kv = True
     supports_fp8_kv = True
+    captures_cuda_graphs = True
     BLOCK_N = 32
     MLA_BLOCK_M = 32          # rows (token x head) per program: a [32, kv_lora_rank] fp32 acc
 

@@ -192,11 +192,11 @@ class DFlashDrafter(Drafter):
 
     def capture_cuda_graphs(self) -> None:
         """The block forward + LM-head argmax at the drafter's block size, captured per batch
-        bucket (CUDA, a backend with bind(): triton), and the same forward + each position's
+        bucket (CUDA, a backend that captures_cuda_graphs: triton), and the same forward + each position's
         TREE_TOP_K likeliest tokens for batches with trees (when max_tree_nodes > 0). Other
         block sizes and devices run eagerly."""
         if not (self.config.cuda_graphs and self.device.type == "cuda"
-                and hasattr(self.backend, "bind")):
+                and self.backend.captures_cuda_graphs):
             return
         from runtime.cuda_graphs import GraphRunner
         from runtime.row_graphs import RowGraphs

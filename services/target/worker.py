@@ -337,7 +337,8 @@ class TargetWorker:
         """Captures verify forwards for each configured block size (and the configured feature
         layers) at bucketed batch sizes, and one sequence's prompt chunks at each prefill size
         (within the token budget). Eager fallback: not on CUDA, a hybrid model, a backend that
-        cannot bind static buffers (torch, flashinfer), or --no-cuda-graphs. Tensor-parallel followers
+        is not captured (torch; flashinfer for dense models - its MLA path is captured), or
+        --no-cuda-graphs. Tensor-parallel followers
         capture the same graphs at the same time (their all-reduces pair inside them).
         Mixture-of-experts layers are captured too in bf16: on CUDA their routing and grouped
         GEMMs stay on the device (runtime/layers/moe.py; on an H100 the replay equals the eager
@@ -348,7 +349,7 @@ class TargetWorker:
         cfg = self.config
         backend = self.attn_backend
         if (not cfg.cuda_graphs or self.device.type != "cuda" or self.facts.hybrid
-                or not hasattr(backend, "bind")):
+                or not backend.captures_cuda_graphs):
             return
         if getattr(self.model, "has_moe", False) and self.dtype != torch.bfloat16:
             log.info("cuda graphs off: this model's mixture-of-experts layers run eagerly in "
