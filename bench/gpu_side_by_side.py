@@ -152,6 +152,7 @@ class GpuStack:
                          "--token-budget", "2048", "--feature-plane", plane,
                          "--max-message-mib", "512", *_state_slots(args)),
             draft_args=(*PREFIX_CACHING_OFF, "--kv-budget", args.draft_kv,
+                        "--attention-backend", args.draft_backend,
                         "--token-budget", "8192", "--max-message-mib", "512"),
             gateway_args=("--wire", self.wires[0], "--max-message-mib", "512"),
             spec_tree_nodes=0,      # chains: forced acceptance is a chain's (dflash up: trees on GPU)
@@ -282,7 +283,7 @@ def inprocess(tdir: Path, ddir: Path | None, args, prompts, max_tokens: int, tau
                      kv_budget_bytes=_bytes(args.target_kv), graph_capture_layers=taps,
                      token_budget=2048, deterministic=args.deterministic),
         DraftConfig(target_dir=str(tdir), model_dir=str(ddir), device=args.device,
-                    dtype=args.dtype, attention_backend=args.backend,
+                    dtype=args.dtype, attention_backend=args.draft_backend,
                     kv_budget_bytes=_bytes(args.draft_kv), token_budget=8192,
                     deterministic=args.deterministic)
         if ddir is not None else None,
@@ -491,6 +492,8 @@ def main(argv: list[str] | None = None) -> None:
                          "(parts ar and services)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="the target's: auto | fp8_e4m3")
     ap.add_argument("--attention-backend", default="triton", help="on a GPU: triton | flashinfer")
+    ap.add_argument("--draft-attention-backend", default="",
+                    help="the draft's, where it differs (default: --attention-backend)")
     ap.add_argument("--target-kv", default="40GiB",
                     help="the target's KV budget on a GPU (the H200's sizing; an 80 GB card "
                          "takes about 20GiB beside the DeepSeek-V2-Lite shape's 31 GB weights)")
@@ -519,6 +522,7 @@ def main(argv: list[str] | None = None) -> None:
     args.device = "cpu" if args.tiny else "cuda"
     args.dtype = "float32" if args.tiny else "bfloat16"
     args.backend = "torch" if args.tiny else args.attention_backend
+    args.draft_backend = "torch" if args.tiny else args.draft_attention_backend or args.backend
     if args.tiny:
         args.target_kv, args.draft_kv = "64MiB", "32MiB"
     out = Path(args.out)
