@@ -2,7 +2,7 @@
 (verify blocks on the target, propose blocks on the draft). Graphs are captured per batch-size
 bucket, largest first, into one memory pool; a smaller batch is padded with dummy sequences that
 write into the cache's scratch page 0. Requires a backend that captures_cuda_graphs (triton;
-flashinfer for MLA models, which plans each replay on the host: plan_graph). A runner made
+flashinfer, which plans each replay on the host: plan_graph). A runner made
 with tree=True also reads each sequence's tree mask (SeqSlice.tree; causal where it has none)
 from a static buffer: verifies of trees of drafts."""
 from __future__ import annotations

@@ -9,7 +9,7 @@ pytest.importorskip("flashinfer")
 if not torch.cuda.is_available():
     pytest.skip("FlashInfer needs CUDA", allow_module_level=True)
 
-from support.mla_worker import mla_worker_logits
+from support.mla_worker import mla_worker_logits, verify_rounds
 
 from runtime.attention.flashinfer_backend import FlashInferAttentionBackend
 from runtime.attention.metadata import AttentionMetadata, SeqSlice
@@ -60,28 +60,6 @@ def test_flashinfer_mla_in_the_target_worker(tmp_path):
     assert (logits[0] - logits[1]).abs().max().item() < 5e-2
 
 
-def _verify_rounds(w) -> tuple[torch.Tensor, list[bool]]:
-    """Three sequences prefilled eagerly (20, 45, 70 tokens), then verify blocks of 16 for all
-    three (a bucket of 4: one dummy), a decode step for all three and a verify block of 16 for
-    the first alone -> (their logits in order, fp32 on the CPU; whether each round matched a
-    captured graph)."""
-    lens, tables, logits, replayed = [20, 45, 70], [], [], []
-    for n in lens:
-        t = PageTable()
-        w.kv_cache.ensure(t, n + 33)
-        w.forward([SeqSlice(t, 0, n)], torch.arange(3, 3 + n), torch.arange(n), ())
-        tables.append(t)
-    for q, rows in [(16, [0, 1, 2]), (1, [0, 1, 2]), (16, [0])]:
-        slices = [SeqSlice(tables[i], lens[i], q) for i in rows]
-        ids = torch.cat([torch.arange(5 + i, 5 + i + q) for i in rows])
-        pos = torch.cat([torch.arange(lens[i], lens[i] + q) for i in rows])
-        replayed.append(w._graph_for(slices, (), w._graphs) is not None)
-        logits.append(w.logits(w.forward(slices, ids, pos, ()).hidden).float().cpu())
-        for i in rows:
-            lens[i] += q
-    return torch.cat(logits), replayed
-
-
 def test_flashinfer_mla_replayed_from_cuda_graphs_matches_its_eager_forward(tmp_path):
     """The flashinfer MLA path under CUDA graphs (FlashInfer's cuda-graph mode, planned on the
     host before each replay): one sequence's chunk, verify block and decode step replay to the
@@ -95,7 +73,7 @@ def test_flashinfer_mla_replayed_from_cuda_graphs_matches_its_eager_forward(tmp_
     graphs, wg = mla_worker_logits(path, "cuda", **config)
     assert not we._graphs and {q for q, _ in wg._graphs} == {1, 16}
     assert torch.equal(eager, graphs)
-    eager, replayed_e = _verify_rounds(we)
-    graphs, replayed_g = _verify_rounds(wg)
+    eager, replayed_e = verify_rounds(we)
+    graphs, replayed_g = verify_rounds(wg)
     assert replayed_e == [False] * 3 and replayed_g == [True] * 3
     assert (eager - graphs).abs().max().item() < 5e-2

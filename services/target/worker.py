@@ -337,8 +337,7 @@ class TargetWorker:
         """Captures verify forwards for each configured block size (and the configured feature
         layers) at bucketed batch sizes, and one sequence's prompt chunks at each prefill size
         (within the token budget). Eager fallback: not on CUDA, a hybrid model, a backend that
-        is not captured (torch; flashinfer for dense models - its MLA path is captured), or
-        --no-cuda-graphs. Tensor-parallel followers
+        is not captured (torch), or --no-cuda-graphs. Tensor-parallel followers
         capture the same graphs at the same time (their all-reduces pair inside them).
         Mixture-of-experts layers are captured too in bf16: on CUDA their routing and grouped
         GEMMs stay on the device (runtime/layers/moe.py; on an H100 the replay equals the eager
