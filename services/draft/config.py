@@ -32,7 +32,7 @@ class DraftConfig:
     lease_seconds: float = 120.0
     feature_dtype: str = "bfloat16"    # the dtype Propose features must arrive in
     model_id: str = ""
-    cuda_graphs: bool = True           # capture the propose forward during warm-up (CUDA + triton)
+    cuda_graphs: bool = True           # capture the propose forward during warm-up (CUDA + triton or flashinfer)
     cpu_gemm: str = DEFAULT_CPU_GEMM   # fp32 CPU GEMM (runtime/layers/linear.py): auto | onednn | torch
     deterministic: bool = False        # batch-invariant kernels (runtime/batch_invariance.py)
     # dflash: context pages of committed positions kept for later prompts that start the same

@@ -111,7 +111,7 @@ class DFlashDrafter(Drafter):
                 "max_block_size": self.facts.max_block_size, "trained": cfg.block_size})
         self.cache: PagedKVCache | None = None
         self.backend: AttentionBackend | None = None
-        self._graph = None                  # GraphRunner of the block forward (CUDA + triton)
+        self._graph = None                  # GraphRunner of the block forward (CUDA + triton or flashinfer)
         self._tree_graph = None             # ... returning each position's top-k (trees)
         self._append_graphs = None          # RowGraphs of the context append (CUDA)
 

@@ -30,7 +30,7 @@ class TargetConfig:
     state_slots: int = 64              # hybrid models: sequences the state pool holds
     model_id: str = ""
     warmup: bool = True
-    cuda_graphs: bool = True           # capture verify forwards during warm-up (CUDA + triton)
+    cuda_graphs: bool = True           # capture verify forwards during warm-up (CUDA + triton or flashinfer)
     graph_block_sizes: tuple[int, ...] = (1, 16)
     graph_tree_sizes: tuple[int, ...] = (16, 64)   # tree verifies (anchor + drafts) captured as graphs
     # a lone prompt chunk padded to the smallest of these and run as a graph (sizes above
