@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -218,11 +219,11 @@ def mla_rows(device: str, rec: Recorder, tiny: bool) -> list[dict]:
                 for name in names:
                     if name == "flashinfer" and kv != torch.bfloat16:
                         continue                    # our flashinfer backend: no fp8 cache
-                    time_mla(row, name, device, lambda: mla_attention(
-                        name, device, bs, ctx, block, heads, kv))
+                    time_mla(row, name, device, partial(mla_attention, name, device, bs,
+                                                        ctx, block, heads, kv))
                 if not tiny and kv == torch.bfloat16:
                     time_mla(row, "flashinfer_own_layout", device,
-                             lambda: flashinfer_mla_attention(bs, ctx, block, heads))
+                             partial(flashinfer_mla_attention, bs, ctx, block, heads))
                 rows.append(row)
                 rec.put("mla_attention", rows)
     return rows

@@ -49,7 +49,7 @@ class _Batch:
 
     @classmethod
     def build(cls, cu_q: list[int], kv_lens: list[int], page_lists: list[list[int]],
-              page_size: int, device: torch.device | str = "cpu") -> "_Batch":
+              page_size: int, device: torch.device | str = "cpu") -> _Batch:
         pages = [-(-n // page_size) for n in kv_lens]
         indices = [p for row, n in zip(page_lists, pages) for p in row[:n]]
         indptr = [0]
