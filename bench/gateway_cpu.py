@@ -155,6 +155,18 @@ def features_travel(log_dir: Path) -> list[str]:
             if " dflash.gateway.planes " in line]
 
 
+def gemm_tables(log_dir: Path) -> dict[str, str]:
+    """What `--cpu-gemm auto` chose at each model process's start-up (its log line), by log file
+    under log_dir: two runs of the same stack that differ in speed may differ here."""
+    out = {}
+    for log in sorted(log_dir.rglob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if " cpu gemm calibrated " in line and " table=" in line:
+                out[str(log.relative_to(log_dir))] = line.split(" table=", 1)[1].split(
+                    " shapes=")[0].strip('"')
+    return out
+
+
 def step_breakdown(before: dict, after: dict) -> dict:
     """Per verify step, in ms, from metric deltas."""
     def d(service: str, name: str, **labels: str) -> float:
@@ -359,7 +371,7 @@ def end_to_end(model_dir: Path, drafters: list[str], max_tokens: int, log_dir: P
                     measured[name][i].append(systems[name].run(ids, max_tokens))
         outputs = {n: systems[n].output_ids(prompts, max_tokens) for n in names}
     result: dict = {"prompts": texts, "kinds": kinds, "max_tokens": max_tokens, "rounds": rounds,
-                    "systems": {}}
+                    "systems": {}, "gemm_tables": gemm_tables(log_dir)}
     for name in names:
         runs = [median_run(per_prompt) for per_prompt in measured[name]]
         result["systems"][name] = {

@@ -12,14 +12,24 @@ the run. Greedy; every output is checked equal between the two stacks.
 
     python -m bench.prefix_cache                     # CPU, SmolLM2 fp32 + the shipped drafter
     python -m bench.prefix_cache --device cuda       # bf16 on a GPU (--out, --doc elsewhere)
+    python -m bench.prefix_cache --device cuda --shape qwen3-8b --history-tokens 1000
+
+--shape qwen3-8b: a Qwen3-8B-shaped target (random bf16 weights) and a DFlash-shaped drafter
+under the forced acceptance profile of bench.adaptive_cpu, so that a prefill costs what an 8B
+model's does; the conversations continue in token ids (each turn's prompt is the previous
+prompt, its output and the next user message in SmolLM2's chat template: random weights make
+no text). --history-tokens N: each conversation opens with its own system message of about N
+tokens (an agent's instructions, a document), so later turns resend a long history.
 
 Writes bench/results/prefix_cache.json and the "Prefix caching (CPU)" section of
-docs/benchmarks.md (with --device cuda: "Prefix caching (GPU)")."""
+docs/benchmarks.md (with --device cuda: "Prefix caching (GPU)"; with --shape qwen3-8b:
+"Prefix caching (GPU, Qwen3-8B shape)")."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import datetime
+import json
 import statistics
 import sys
 import tempfile
@@ -28,7 +38,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.adaptive_cpu import smollm2_options
+from bench.adaptive_cpu import PROFILE, shaped_stack, smollm2_options
 from bench.gateway_cpu import Services, total
 from bench.report import add_output_flags, machine, render_only, save
 from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
@@ -58,10 +68,19 @@ async def request(stub, ids: list[int], max_tokens: int) -> tuple[list[int], str
     return out, "".join(text), ttft
 
 
+def opening(system: str, c: int, history: str) -> list[dict]:
+    """Conversation c's system message: `system` (a warm-up's, so that no measured prompt hits
+    its pages), then its own long history (--history-tokens), numbered so no two share it."""
+    content = " ".join(x for x in (system, f"Conversation {c}: {history}" if history else "") if x)
+    return [{"role": "system", "content": content}] if content else []
+
+
 async def multi_turn(address: str, tok: ChatTokenizer, conversations: int, turns: int,
-                     max_tokens: int, system: str = "") -> dict:
-    """Every conversation at once, each turn after the previous one's answer (system: a
-    system message ahead of them; a warm-up's, so that no measured prompt hits its pages)."""
+                     max_tokens: int, system: str = "", history: str = "",
+                     in_ids: bool = False) -> dict:
+    """Every conversation at once, each turn after the previous one's answer (opening: the
+    system message). in_ids: each turn's prompt is the previous prompt + its output + the next
+    user message's template (random weights write no text to send back)."""
     ttfts: dict[str, list[float]] = {"first": [], "later": []}
     outputs: list[list[list[int]]] = []
     produced = 0
@@ -70,13 +89,18 @@ async def multi_turn(address: str, tok: ChatTokenizer, conversations: int, turns
 
         async def conversation(c: int) -> list[list[int]]:
             nonlocal produced
-            messages = [{"role": "system", "content": system}] if system else []
-            outs = []
+            messages = opening(system, c, history)
+            outs, ids = [], []
             for t in range(turns):
-                messages.append({"role": "user",
-                                 "content": QUESTIONS[(c * turns + t) % len(QUESTIONS)]})
-                ids = tok.encode(tok.apply_chat_template(messages))
+                user = {"role": "user", "content": QUESTIONS[(c * turns + t) % len(QUESTIONS)]}
+                if in_ids:
+                    ids = [*ids, *tok.encode(tok.apply_chat_template(
+                        [*(messages if t == 0 else []), user]))]
+                else:
+                    messages.append(user)
+                    ids = tok.encode(tok.apply_chat_template(messages))
                 out, text, ttft = await request(stub, ids, max_tokens)
+                ids = [*ids, *out]
                 messages.append({"role": "assistant", "content": text})
                 ttfts["first" if t == 0 else "later"].append(ttft)
                 produced += len(out)
@@ -151,17 +175,17 @@ def breakdown(before: dict, after: dict) -> dict:
 
 def measure(args: argparse.Namespace, tok: ChatTokenizer, system: str, cached: bool,
             log_dir: Path, options: dict) -> dict:
+    chat_args = (tok, args.conversations, args.turns, args.max_tokens)
+    chat_kw = {"history": args.history, "in_ids": args.shape != "smollm2"}
     with Services("dflash", log_dir, prefix_caching=cached, **options) as svc:
         address = f"127.0.0.1:{svc.opts.port}"
         asyncio.run(request_once(address, tok))                       # warm-up
         if args.warmup:         # every kernel shape the workload meets compiled (Triton JIT)
-            asyncio.run(multi_turn(address, tok, args.conversations, args.turns,
-                                   args.max_tokens, system="Warm-up run."))
+            asyncio.run(multi_turn(address, *chat_args, system="Warm-up run.", **chat_kw))
             asyncio.run(shared_system(address, tok, "Warm-up run. " + system, 2,
                                       args.max_tokens))
         before = svc.snapshot()
-        chat = asyncio.run(multi_turn(address, tok, args.conversations, args.turns,
-                                      args.max_tokens))
+        chat = asyncio.run(multi_turn(address, *chat_args, **chat_kw))
         mid = svc.snapshot()
         shared = asyncio.run(shared_system(address, tok, system, args.questions,
                                            args.max_tokens))
@@ -219,8 +243,26 @@ BREAKDOWN_ROWS = ("ttft", "target.Prefill", "draft.OpenSequence", "target.Verify
                   "accepted_per_draft_step")
 
 
-def section_for(device: str) -> str:
+SHAPE_SECTION = "## Prefix caching (GPU, Qwen3-8B shape)"
+
+
+def section_for(device: str, shape: str = "smollm2") -> str:
+    if shape != "smollm2":
+        return SHAPE_SECTION
     return "## Prefix caching (GPU)" if device != "cpu" else "## Prefix caching (CPU)"
+
+
+def section(r: dict) -> str:
+    return section_for(r["device"], r.get("shape", "smollm2"))
+
+
+def models(r: dict) -> str:
+    """What served the run, for the section's first sentence."""
+    if r.get("shape", "smollm2") == "smollm2":
+        return "SmolLM2-135M-Instruct + the shipped drafter, `dflash up` defaults"
+    return (f"a Qwen3-8B-shaped target (random {r['dtype']} weights) + a DFlash-shaped drafter "
+            f"(5 layers, block 16), acceptance forced by position (P_d = {r['force_profile']}), "
+            "the conversations continued in token ids")
 
 
 def markdown(r: dict) -> str:
@@ -235,13 +277,14 @@ def markdown(r: dict) -> str:
              "shared_system"),
             ("shared system prompt: TTFT of the others (ms, median)", "ttft_rest_ms",
              "shared_system")]
-    intro = (f"{where}, {r['dtype']}, SmolLM2-135M-Instruct + the shipped drafter, `dflash up` "
-             f"defaults, {r['date']}: `{r['command']}` (results: "
+    history = (f", each opening with its own {r['history_tokens']}-token system message"
+               if r.get("history_tokens") else "")
+    intro = (f"{where}, {r['dtype']}, {models(r)}, {r['date']}: `{r['command']}` (results: "
              f"`{r.get('json', 'bench/results/prefix_cache.json')}`). {r['conversations']} "
-             f"conversations x {r['turns']} turns at once, {r['max_tokens']} tokens per answer; "
+             f"conversations x {r['turns']} turns at once{history}, {r['max_tokens']} tokens per answer; "
              f"then {r['questions']} questions one at a time behind a "
              f"{on['shared_system']['prompt_tokens']}-token system prompt (with its question).")
-    lines = [section_for(r["device"]), "", intro, "", "| | cache on | cache off |",
+    lines = [section(r), "", intro, "", "| | cache on | cache off |",
              "|---|---|---|"]
     for label, key, part in rows:
         lines.append(f"| {label} | {on[part][key]} | {off[part][key]} |")
@@ -252,12 +295,18 @@ def markdown(r: dict) -> str:
     closing = (f"Throughput of the multi-turn workload with the cache: "
                f"{s['throughput_ratio']}x (goal >= 1.5x at c = 8); TTFT of later turns "
                f"{s['later_turn_ttft_ratio']}x lower (goal >= 5x, on the GPU); behind the shared "
-               f"system prompt {s['shared_prompt_ttft_ratio']}x lower. Outputs identical with "
-               f"and without the cache: {s['identical_outputs']}.")
+               f"system prompt {s['shared_prompt_ttft_ratio']}x lower. " + same_outputs(r))
     lines += ["", closing, *breakdown_table(on["multi_turn"], off["multi_turn"])]
-    if r["device"] != "cpu" and r.get("warmup"):
+    if r["device"] != "cpu" and r.get("warmup") and r.get("shape", "smollm2") == "smollm2":
         lines += ["", GPU_NOTES]
     return "\n".join(lines) + "\n"
+
+
+def same_outputs(r: dict) -> str:
+    if r.get("shape", "smollm2") != "smollm2":
+        return ("Outputs not compared: forced acceptance draws from one random stream in the "
+                "order the steps come, and the output is not the target's.")
+    return f"Outputs identical with and without the cache: {r['summary']['identical_outputs']}."
 
 
 def breakdown_table(on: dict, off: dict) -> list[str]:
@@ -275,6 +324,23 @@ def breakdown_table(on: dict, off: dict) -> list[str]:
     return lines
 
 
+class FoldedTokenizer(ChatTokenizer):
+    """SmolLM2's tokenizer with its ids folded into a random-weight shape's vocabulary (the
+    tiny shape's 512 ids on the CPU; the Qwen3-8B shape's 151 936 hold them all)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        super().__init__(model_dir)
+        self.vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+    def encode(self, text: str) -> list[int]:
+        return [i % self.vocab for i in super().encode(text)]
+
+
+def repeat_to(line: str, tokens: int, tok: ChatTokenizer) -> str:
+    """`line` repeated to about `tokens` tokens."""
+    return line * max(1, tokens // len(tok.encode(line)))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.prefix_cache",
                                 description=__doc__.splitlines()[0])
@@ -284,6 +350,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--questions", type=int, default=6)
     p.add_argument("--system-tokens", type=int, default=2000)
     p.add_argument("--device", default="cpu", help="cpu | cuda (then bf16 and triton)")
+    p.add_argument("--shape", default="smollm2", choices=("smollm2", "qwen3-8b"),
+                   help="qwen3-8b: random bf16 weights of that shape, forced acceptance (see above)")
+    p.add_argument("--history-tokens", type=int, default=0,
+                   help="each conversation opens with its own system message of about N tokens")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run the workloads once, unmeasured, on each stack first (behind "
                         "another system prompt: nothing measured hits their pages): kernels "
@@ -292,38 +362,49 @@ def main(argv: list[str] | None = None) -> None:
     add_tiny_flag(p)
     args = p.parse_args(argv)
     tiny_outputs(args, p, "prefix_cache")
-    if render_only(args, section_for(args.device), markdown):
+    if render_only(args, section_for(args.device, args.shape), markdown):
         return
     if args.warmup is None:
         args.warmup = args.device != "cpu"
     if args.tiny:
         args.conversations, args.turns, args.max_tokens = 2, 2, 4
         args.questions, args.system_tokens = 2, 100
+        args.history_tokens = min(args.history_tokens, 40)
     dtype = "float32" if args.device == "cpu" else "bfloat16"
-    model, options = smollm2_options(args.device, dtype)
-    tok = ChatTokenizer(model)
-    line_tokens = len(tok.encode(SYSTEM_LINE))
-    system = SYSTEM_LINE * max(1, args.system_tokens // line_tokens)
+    tmp = tempfile.TemporaryDirectory(prefix="bench-prefix-")
+    if args.shape == "smollm2":
+        model, options = smollm2_options(args.device, dtype)
+    else:                       # the tiny shape of it on the CPU (--tiny)
+        args.force_profile = PROFILE
+        _, options = shaped_stack(args, dtype, Path(tmp.name))
+        options["spec_tree_nodes"] = 0          # chains: forced acceptance is a chain's
+    tok = ChatTokenizer(model) if args.shape == "smollm2" else FoldedTokenizer(
+        Path(options["model_dir"]))
+    system, args.history = (repeat_to(SYSTEM_LINE, n, tok) if n else ""
+                            for n in (args.system_tokens, args.history_tokens))
     result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
                     "command": "python -m bench.prefix_cache " + " ".join(argv or sys.argv[1:]),
                     "device": args.device, "dtype": dtype, "conversations": args.conversations,
                     "turns": args.turns, "max_tokens": args.max_tokens,
-                    "questions": args.questions, "warmup": args.warmup}
+                    "questions": args.questions, "warmup": args.warmup, "shape": args.shape,
+                    "history_tokens": args.history_tokens}
+    if args.shape != "smollm2":
+        result["force_profile"] = PROFILE
     if args.tiny:
         result.update(tiny_fields())
     if args.device != "cpu":
         import torch
         result["gpu"] = torch.cuda.get_device_name(args.device)
-    with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
+    with tmp:
         for name, cached in (("on", True), ("off", False)):
-            result[name] = measure(args, tok, system, cached, Path(tmp) / name, options)
+            result[name] = measure(args, tok, system, cached, Path(tmp.name) / name, options)
             print(name, {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
                          for k, v in result[name].items()}, flush=True)
     result["summary"] = summary(result["on"], result["off"])
     for name in ("on", "off"):              # compared in the summary; not kept (thousands of ids)
         for part in result[name].values():
             part.pop("outputs")
-    save(result, Path(args.out), Path(args.doc), section_for(args.device), markdown)
+    save(result, Path(args.out), Path(args.doc), section(result), markdown)
     print(markdown(result))
 
 

@@ -49,11 +49,12 @@ REFERENCE = (label("shared", 1), MODES[0])
 
 
 def placements(cores: int, per_replica: int) -> dict[str, list[tuple[int, list[str]]]]:
-    """Each configuration's replicas: (compute threads, a command prefix pinning it)."""
+    """Each configuration's replicas: (compute threads, a command prefix pinning it);
+    per_replica 0: the shared layout only (--tiny)."""
     out = {}
     for n in REPLICAS:
         out[label("shared", n)] = [(max(1, cores // n), [])] * n
-        if cores >= n * per_replica:
+        if per_replica and cores >= n * per_replica:
             out[label("own", n)] = [
                 (per_replica, ["taskset", "-c", f"{i * per_replica}-{(i + 1) * per_replica - 1}"])
                 for i in range(n)]
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.tiny:
         args.levels, args.tokens, args.min_requests, args.rounds = [2], 6, 2, 1
+        args.cores_per_replica = 0      # the shared layout only: half the processes
         tiny_outputs(args, p, "replicas_cpu")
     r = run(args)
     save(r, Path(args.out), Path(args.doc), SECTION, markdown)

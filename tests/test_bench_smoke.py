@@ -81,6 +81,9 @@ def gateway_cpu(d: dict) -> None:
     for s in systems.values():
         positive(s["tokens_per_s"]["all"])
         assert s["identical_to_transformers_greedy"]
+    tables = d["end_to_end"]["gemm_tables"]     # --cpu-gemm auto: each model process's choice
+    assert any(k.endswith("target.log") for k in tables), tables
+    assert all(v.startswith("1:") for v in tables.values()), tables
 
 
 def gpu_layer_ops(d: dict) -> None:
@@ -207,6 +210,15 @@ def prefix_cache(d: dict) -> None:
         assert b["target.forward"]["ms"] > 0 and b["ttft"]["n"] == 4
 
 
+def prefix_cache_shape(d: dict) -> None:
+    """The random-weight shape, conversations continued in token ids behind their own long
+    openings: the later turns hit on both services (outputs are not compared: forced)."""
+    assert d["shape"] == "qwen3-8b" and d["history_tokens"] > 0 and d["force_profile"]
+    positive(d["on"]["multi_turn"]["ttft_later_ms"], d["off"]["multi_turn"]["ttft_later_ms"])
+    assert min(d["on"]["multi_turn"]["hit_rate"].values()) > 0
+    assert not d["off"]["multi_turn"]["hit_rate"]["target"]
+
+
 def spec_load_cpu(d: dict) -> None:
     assert len(d["configs"]) == 2 and d["levels"] == [1, 2]
     for rows in d["configs"].values():
@@ -321,6 +333,8 @@ BENCHES = [
     Bench("invariant_gemm_gpu", invariant_gemm_gpu),
     Bench("kv_fp8", kv_fp8, "## fp8 KV cache (CPU)"),
     Bench("prefix_cache", prefix_cache, "## Prefix caching (CPU)"),
+    Bench("prefix_cache", prefix_cache_shape, "## Prefix caching (GPU, Qwen3-8B shape)",
+          extra=("--shape", "qwen3-8b", "--history-tokens", "40")),
     Bench("scan_kernels_gpu", scan_kernels_gpu),
     Bench("simulated_tau", simulated_tau),
     Bench("smollm2_gpu", smollm2_gpu),

@@ -1,4 +1,4 @@
-"""A bounded soak (DFLASH_SOAK_SECONDS, default 150): 32 concurrent clients against the tiny
+"""A bounded soak (DFLASH_SOAK_SECONDS, default 100): 32 concurrent clients against the tiny
 hybrid stack with a DFlash draft (random weights), mixing streamed and whole requests over
 HTTP and gRPC, random cancellations (clients that hang up mid-stream, client timeouts) and
 about 20% bad requests of 11 kinds.
@@ -31,7 +31,7 @@ from dflash.make_draft import make_random_drafter
 
 pytestmark = pytest.mark.slow
 
-SECONDS = float(os.environ.get("DFLASH_SOAK_SECONDS", "150"))
+SECONDS = float(os.environ.get("DFLASH_SOAK_SECONDS", "100"))
 WORKERS = 32
 RSS_MARGIN = (0.10, 48.0)          # growth allowed: 10% of the post-warm-up RSS + 48 MiB
 
