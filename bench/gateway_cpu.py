@@ -161,9 +161,10 @@ def gemm_tables(log_dir: Path) -> dict[str, str]:
     out = {}
     for log in sorted(log_dir.rglob("*.log")):
         for line in log.read_text(errors="replace").splitlines():
-            if " cpu gemm calibrated " in line and " table=" in line:
+            if " cpu gemm calibrated " in line and " table=" in line:   # logged once
                 out[str(log.relative_to(log_dir))] = line.split(" table=", 1)[1].split(
                     " shapes=")[0].strip('"')
+                break
     return out
 
 

@@ -100,8 +100,10 @@ async def multi_turn(address: str, tok: ChatTokenizer, conversations: int, turns
                     messages.append(user)
                     ids = tok.encode(tok.apply_chat_template(messages))
                 out, text, ttft = await request(stub, ids, max_tokens)
-                ids = [*ids, *out]
-                messages.append({"role": "assistant", "content": text})
+                if in_ids:
+                    ids = [*ids, *out]
+                else:
+                    messages.append({"role": "assistant", "content": text})
                 ttfts["first" if t == 0 else "later"].append(ttft)
                 produced += len(out)
                 outs.append(out)
@@ -371,15 +373,15 @@ def main(argv: list[str] | None = None) -> None:
         args.questions, args.system_tokens = 2, 100
         args.history_tokens = min(args.history_tokens, 40)
     dtype = "float32" if args.device == "cpu" else "bfloat16"
-    tmp = tempfile.TemporaryDirectory(prefix="bench-prefix-")
+    tmp = tempfile.TemporaryDirectory(prefix="bench-prefix-")    # the shape's model folders
     if args.shape == "smollm2":
         model, options = smollm2_options(args.device, dtype)
-    else:                       # the tiny shape of it on the CPU (--tiny)
+        tok = ChatTokenizer(model)
+    else:                       # --tiny: a tiny model of the shape, on the CPU
         args.force_profile = PROFILE
         _, options = shaped_stack(args, dtype, Path(tmp.name))
         options["spec_tree_nodes"] = 0          # chains: forced acceptance is a chain's
-    tok = ChatTokenizer(model) if args.shape == "smollm2" else FoldedTokenizer(
-        Path(options["model_dir"]))
+        tok = FoldedTokenizer(Path(options["model_dir"]))
     system, args.history = (repeat_to(SYSTEM_LINE, n, tok) if n else ""
                             for n in (args.system_tokens, args.history_tokens))
     result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
                     "questions": args.questions, "warmup": args.warmup, "shape": args.shape,
                     "history_tokens": args.history_tokens}
     if args.shape != "smollm2":
-        result["force_profile"] = PROFILE
+        result["force_profile"] = args.force_profile
     if args.tiny:
         result.update(tiny_fields())
     if args.device != "cpu":
