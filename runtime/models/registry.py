@@ -1,20 +1,41 @@
 """Build a model from a HF-format directory: pick the class, materialise, load weights."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import init
 
 from runtime.config import ModelConfig, read_config_json
 from runtime.layers.norm import OffsetRMSNorm
 from runtime.weights import KV_SCALE_SUFFIXES, load_weights
 
+# torch.nn.init's in-place initialisers, made no-ops while an empty model is built: on the meta
+# device they dispatch to torch._refs, whose first use imports torch._dynamo (about 2.5 s of a
+# service's start-up on a CPU; the weights are loaded or drawn next anyway)
+_INITIALISERS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                 "xavier_uniform_", "xavier_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextlib.contextmanager
+def _initialisers_skipped() -> Iterator[None]:
+    saved = {name: getattr(init, name) for name in _INITIALISERS}
+    for name in _INITIALISERS:
+        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(init, name, fn)
+
 
 def build_empty(cls: type[nn.Module], cfg, device: torch.device | str, dtype: torch.dtype
                 ) -> nn.Module:
     """Construct without initialising weights (they are loaded next); rebuild fixed buffers."""
-    with torch.device("meta"):
+    with torch.device("meta"), _initialisers_skipped():
         model = cls(cfg)
     model = model.to_empty(device=device).to(dtype)
     for module in model.modules():
