@@ -156,14 +156,14 @@ def features_travel(log_dir: Path) -> list[str]:
 
 
 def gemm_tables(log_dir: Path) -> dict[str, str]:
-    """What `--cpu-gemm auto` chose at each model process's start-up (its log line), by log file
-    under log_dir: two runs of the same stack that differ in speed may differ here."""
+    """What `--cpu-gemm auto` chose at each model process's start-up (its log line: measured,
+    or reused from the host's kept tables), by log file under log_dir."""
     out = {}
     for log in sorted(log_dir.rglob("*.log")):
         for line in log.read_text(errors="replace").splitlines():
-            if " cpu gemm calibrated " in line and " table=" in line:   # logged once
-                out[str(log.relative_to(log_dir))] = line.split(" table=", 1)[1].split(
-                    " shapes=")[0].strip('"')
+            if (" cpu gemm calibrated " in line or " cpu gemm table reused " in line) \
+                    and " table=" in line:                              # logged once
+                out[str(log.relative_to(log_dir))] = line.split(' table="', 1)[1].split('"')[0]
                 break
     return out
 

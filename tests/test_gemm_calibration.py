@@ -1,7 +1,8 @@
 """`--cpu-gemm auto` measured on the host (runtime/layers/gemm_calibration.py): the choice is a
 pure function of the timings, the table covers every row count, `auto` follows it (each choice
 gives F.linear's result within fp32 rounding), a failing candidate falls back to the fixed rule,
-and both services calibrate at start-up before SERVING."""
+a measured table is kept per host and shapes and reused, and both services calibrate at start-up
+before SERVING (a later start reusing the kept table)."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ from runtime.layers.gemm_calibration import (
     DEFAULT_TABLE,
     ROWS,
     GemmTable,
+    cache_key,
     calibrate,
     choose,
     weight_shapes,
@@ -41,24 +43,49 @@ def test_row_counts_map_to_the_next_measured_one():
         ["1", "1", "4", "8", "8", "16", "64", "64", "64"]
 
 
-def test_calibration_covers_every_row_count_with_a_valid_candidate():
+def test_calibration_covers_every_row_count_with_a_valid_candidate(tmp_path):
     params = [torch.randn(96, 64), torch.randn(64, 96), torch.randn(96, 64), torch.ones(64),
               torch.randn(8, 8, dtype=torch.bfloat16)]
     assert weight_shapes(params) == {(96, 64): 2, (64, 96): 1}    # fp32 matrices only
     gemms = {"weight_left": lin._weight_left_2d, "onednn": lin._onednn, "torch": F.linear}
-    table = calibrate(params, gemms)
+    table = calibrate(params, gemms, tmp_path)
     assert set(table.choice) == set(ROWS)
     assert all(name in gemms and (name != "weight_left" or r <= 4)
                for r, name in table.choice.items())
-    assert calibrate([torch.ones(3)], gemms) is DEFAULT_TABLE        # no matrix: the fixed rule
+    assert calibrate([torch.ones(3)], gemms, tmp_path) is DEFAULT_TABLE   # no matrix: fixed rule
 
 
-def test_a_failing_candidate_keeps_the_fixed_rule(caplog):
+def test_a_measured_table_is_kept_and_reused_for_the_same_shapes_only(tmp_path, caplog):
+    gemms = {"onednn": lin._onednn, "torch": F.linear}
+    caplog.set_level("INFO", logger="dflash.gemm")
+    table = calibrate([torch.randn(48, 32)], gemms, tmp_path)
+    kept = list(tmp_path.glob("*.json"))
+    assert len(kept) == 1 and "cpu gemm calibrated" in caplog.text
+    caplog.clear()
+    kept[0].write_text('{"choice": {"' + '": "torch", "'.join(map(str, ROWS)) + '": "torch"}}')
+    assert calibrate([torch.randn(48, 32)], gemms, tmp_path).choice == dict.fromkeys(ROWS, "torch")
+    assert "cpu gemm table reused" in caplog.text and "calibrated" not in caplog.text
+    kept[0].write_text("{not json")                     # unreadable: measured again, kept again
+    assert set(calibrate([torch.randn(48, 32)], gemms, tmp_path).choice) == set(ROWS)
+    assert "cpu gemm calibrated" in caplog.text and '"choice"' in kept[0].read_text()
+    other = weight_shapes([torch.randn(32, 48)])          # other shapes, threads: other tables
+    assert cache_key(other, gemms) != kept[0].stem
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert cache_key(weight_shapes([torch.randn(48, 32)]), gemms) != kept[0].stem
+    finally:
+        torch.set_num_threads(threads)
+    assert table.choice.keys() == set(ROWS)
+
+
+def test_a_failing_candidate_keeps_the_fixed_rule(caplog, tmp_path):
     def broken(x, w, b):
         raise RuntimeError("kernel error")
-    table = calibrate([torch.randn(32, 32)], {"torch": F.linear, "onednn": broken})
+    table = calibrate([torch.randn(32, 32)], {"torch": F.linear, "onednn": broken}, tmp_path)
     assert table is DEFAULT_TABLE
     assert "calibration failed" in caplog.text and "kernel error" in caplog.text
+    assert not list(tmp_path.glob("*.json"))                       # nothing kept
 
 
 @pytest.mark.skipif("auto" not in lin.CPU_GEMMS, reason="needs oneDNN")
@@ -81,9 +108,13 @@ def test_auto_follows_the_table(name):
 
 
 @pytest.mark.slow
-def test_both_services_calibrate_before_serving(smollm2_dir, tmp_path):
-    target = start_target(smollm2_dir, tmp_path)
-    draft = start_draft(smollm2_dir, tmp_path, model_dir="models/smollm2-135m-instruct-dflash")
+def test_both_services_calibrate_before_serving_and_a_restart_reuses_the_table(smollm2_dir,
+                                                                              tmp_path):
+    env = {"DFLASH_HOME": str(tmp_path / "home")}       # nothing kept yet
+    target = start_target(smollm2_dir, tmp_path, env=env)
+    draft = start_draft(smollm2_dir, tmp_path, model_dir="models/smollm2-135m-instruct-dflash",
+                        env=env)
+    restarted = None
     try:
         for proc in (target, draft):
             log = proc.log()
@@ -92,6 +123,14 @@ def test_both_services_calibrate_before_serving(smollm2_dir, tmp_path):
             assert log.index("cpu gemm calibrated") < log.index("warm-up done")
             seconds = float(line.split("seconds=")[1].split()[0])
             assert seconds < 10, line                                  # the goal: <= 2 s
-    finally:
-        draft.stop()
+        assert len(list((tmp_path / "home" / "cache" / "cpu_gemm").glob("*.json"))) == 2
         target.stop()
+        restarted = start_target(smollm2_dir, tmp_path, env=env)       # the same host and model
+        table = next(x for x in target.log().splitlines() if "cpu gemm calibrated" in x)
+        reused = next(x for x in restarted.log().splitlines() if "cpu gemm table reused" in x)
+        assert table.split("table=")[1].split('"')[1] == reused.split("table=")[1].split('"')[1]
+        assert "cpu gemm calibrated" not in restarted.log()
+    finally:
+        for proc in (draft, target, restarted):
+            if proc is not None:
+                proc.stop()
