@@ -182,7 +182,8 @@ def test_a_draft_that_cannot_reach_the_shared_memory(tiny_llama_02_dir, drafter,
     target = start_target(tiny_llama_02_dir, logs, "--feature-plane", offered)
     draft = start_draft(tiny_llama_02_dir, logs, *DEVICE_FLAGS, model_dir=drafter,
                         prefix=PRIVATE_SHM)
-    gw = start_gateway(target.address, smollm2_dir, logs, draft=draft.address)
+    gw = start_gateway(target.address, smollm2_dir, logs, "--speculation", "fixed",
+                       draft=draft.address)
     try:
         tokens, _, responses = gw.generate(PROMPT, 40)
         reference = TargetClient(target.address).greedy("plain", PROMPT, len(tokens))

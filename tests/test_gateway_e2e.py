@@ -145,7 +145,8 @@ def test_draft_killed_and_restarted_mid_request(smollm2_dir, dflash_dir, target,
     stream, or in messages."""
     draft = start_draft(smollm2_dir, logs, model_dir=dflash_dir)
     tgt = {"shm": target, "stream": stream_target, "off": inband_target}[plane]
-    gw = start_gateway(tgt.address, smollm2_dir, logs, draft=draft.address)
+    gw = start_gateway(tgt.address, smollm2_dir, logs, "--speculation", "fixed",
+                       draft=draft.address)
     ids, n = prompts[0], 120
     expected = reference(ids, n)
     restarted = None
@@ -187,7 +188,8 @@ def test_target_restarted_mid_request(smollm2_dir, dflash_dir, logs, prompts, re
     the draft attaches it, and the dead target's shared memory is removed."""
     target = start_target(smollm2_dir, logs, "--feature-plane", plane)
     draft = start_draft(smollm2_dir, logs, model_dir=dflash_dir)
-    gw = start_gateway(target.address, smollm2_dir, logs, draft=draft.address)
+    gw = start_gateway(target.address, smollm2_dir, logs, "--speculation", "fixed",
+                       draft=draft.address)
     dead_plane = [p.plane_id for p in TargetClient(target.address).capabilities().feature_planes]
     restarted = None
     ids, n = prompts[0], 96

@@ -55,7 +55,7 @@ def services(tiny_llama_02_dir, tmp_path_factory):
 def test_the_gateway_with_the_token_serves(services, smollm2_dir):
     target, draft, logs = services
     gw = start_gateway(target.address, smollm2_dir, logs, "--internal-token", TOKEN,
-                       draft=draft.address)
+                       "--speculation", "fixed", draft=draft.address)
     try:
         tokens, _, responses = gw.generate(PROMPT, 24)
         with grpc.insecure_channel(target.address) as channel:

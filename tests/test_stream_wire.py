@@ -432,7 +432,7 @@ def test_draft_killed_mid_request_on_the_stream(smollm2_dir, target, logs, promp
     output unchanged; once the draft is back, the next request speculates over a new stream."""
     draft = start_draft(smollm2_dir, logs, "--drafter", "prompt-lookup")
     gw = start_gateway(target.address, smollm2_dir, logs, "--wire", "stream",
-                       draft=draft.address)
+                       "--speculation", "fixed", draft=draft.address)
     restarted = None
     try:
         assert generate_killing(gw, prompts[0], N, 1, lambda: kill(draft)) == \
