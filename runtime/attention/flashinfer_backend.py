@@ -38,9 +38,10 @@ MLA = ("mla", 0)                        # the MLA wrapper's variant; dense: (cau
 
 @dataclass(frozen=True)
 class _Batch:
-    """A forward's batch in FlashInfer's paged layout, int32 tensors (on the host for a graph's
-    plan, on the device for an eager one): qo_indptr [bs+1], kv_indptr [bs+1], kv_indices
-    (each sequence's pages, in order), last_page_len [bs], kv_lens [bs]."""
+    """A forward's batch in FlashInfer's paged layout, int32 tensors on the host (its plan
+    schedules on the host and copies what its kernels read to the device itself): qo_indptr
+    [bs+1], kv_indptr [bs+1], kv_indices (each sequence's pages, in order), last_page_len [bs],
+    kv_lens [bs]."""
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
@@ -49,15 +50,15 @@ class _Batch:
 
     @classmethod
     def build(cls, cu_q: list[int], kv_lens: list[int], page_lists: list[list[int]],
-              page_size: int, device: torch.device | str = "cpu") -> _Batch:
+              page_size: int) -> _Batch:
         pages = [-(-n // page_size) for n in kv_lens]
         indices = [p for row, n in zip(page_lists, pages) for p in row[:n]]
         indptr = [0]
         for n in pages:
             indptr.append(indptr[-1] + n)
         last = [n - (p - 1) * page_size for n, p in zip(kv_lens, pages)]
-        i32 = {"dtype": torch.int32, "device": device}
-        return cls(*(torch.tensor(x, **i32) for x in (cu_q, indptr, indices, last, kv_lens)))
+        return cls(*(torch.tensor(x, dtype=torch.int32)
+                     for x in (cu_q, indptr, indices, last, kv_lens)))
 
 
 @dataclass
@@ -95,7 +96,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
         self._batch = _Batch.build(meta.cu_q_lens, meta.kv_lens, meta.page_lists,
-                                   meta.page_size, meta.page_tables.device)
+                                   meta.page_size)
         self._planned.clear()
         self._bound = None
 
