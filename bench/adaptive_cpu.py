@@ -452,6 +452,16 @@ def smollm2_options(device: str, dtype: str) -> tuple[Path, dict]:
     return model_dir, options
 
 
+def kv_budgets(device: str) -> tuple[str, str]:
+    """The target's and the draft's --kv-budget for the Qwen3-8B shape: 40 and 6 GiB on a card
+    of 120 GiB or more (an H200), else 20 and 4 GiB (on an 80 GB H100 the target's 16 GB of
+    weights, 40 GiB of pages, graphs and planes came to 72 GiB and the draft's pages no longer
+    fit). Either holds the benchmarks' contexts many times over."""
+    import torch
+    total = torch.cuda.get_device_properties(device).total_memory
+    return ("40GiB", "6GiB") if total >= 120 * 2**30 else ("20GiB", "4GiB")
+
+
 def shaped_stack(args: argparse.Namespace, dtype: str, root: Path
                  ) -> tuple[list[list[int]], dict]:
     """The Qwen3-8B shape (random weights; --tiny: a tiny shape of it on the CPU) with a
@@ -466,13 +476,14 @@ def shaped_stack(args: argparse.Namespace, dtype: str, root: Path
     copy_tokenizer(tdir)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 500, (64,), generator=g).tolist() for _ in range(32)]
+    target_kv, draft_kv = ("", "") if tiny else kv_budgets(args.device)
     options = {
         "device": args.device, "dtype": dtype, "attention_backend": "torch" if tiny else "triton",
         "model_dir": str(tdir), "draft_model": str(ddir), "ready_timeout_s": 900,
-        "target_args": ("--kv-budget", "64MiB" if tiny else "40GiB", "--max-block-size", "16",
+        "target_args": ("--kv-budget", "64MiB" if tiny else target_kv, "--max-block-size", "16",
                         "--graph-capture-layers", ",".join(map(str, taps)),
                         "--token-budget", "2048"),
-        "draft_args": ("--kv-budget", "32MiB" if tiny else "6GiB", "--token-budget", "8192"),
+        "draft_args": ("--kv-budget", "32MiB" if tiny else draft_kv, "--token-budget", "8192"),
         "target_hooks": HookFlags(random_weights=True, force_profile=args.force_profile),
         "draft_hooks": HookFlags(random_weights=True)}
     return prompts, options
