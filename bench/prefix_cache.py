@@ -281,6 +281,8 @@ def markdown(r: dict) -> str:
              "shared_system")]
     history = (f", each opening with its own {r['history_tokens']}-token system message"
                if r.get("history_tokens") else "")
+    if r.get("prompt_batch", 1) != 1:
+        history += f", the target's `--prompt-batch {r['prompt_batch']}`"
     intro = (f"{where}, {r['dtype']}, {models(r)}, {r['date']}: `{r['command']}` (results: "
              f"`{r.get('json', 'bench/results/prefix_cache.json')}`). {r['conversations']} "
              f"conversations x {r['turns']} turns at once{history}, {r['max_tokens']} tokens per answer; "
@@ -356,6 +358,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="qwen3-8b: random bf16 weights of that shape, forced acceptance (see above)")
     p.add_argument("--history-tokens", type=int, default=0,
                    help="each conversation opens with its own system message of about N tokens")
+    p.add_argument("--prompt-batch", type=int, default=1,
+                   help="the target's --prompt-batch (prompt chunks of this many sequences in "
+                        "one forward where they run apart from verifies)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run the workloads once, unmeasured, on each stack first (behind "
                         "another system prompt: nothing measured hits their pages): kernels "
@@ -382,6 +387,9 @@ def main(argv: list[str] | None = None) -> None:
         _, options = shaped_stack(args, dtype, Path(tmp.name))
         options["spec_tree_nodes"] = 0          # chains: forced acceptance is a chain's
         tok = FoldedTokenizer(Path(options["model_dir"]))
+    if args.prompt_batch != 1:
+        options["target_args"] = (*options.get("target_args", ()),
+                                  "--prompt-batch", str(args.prompt_batch))
     system, args.history = (repeat_to(SYSTEM_LINE, n, tok) if n else ""
                             for n in (args.system_tokens, args.history_tokens))
     result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
@@ -389,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
                     "device": args.device, "dtype": dtype, "conversations": args.conversations,
                     "turns": args.turns, "max_tokens": args.max_tokens,
                     "questions": args.questions, "warmup": args.warmup, "shape": args.shape,
-                    "history_tokens": args.history_tokens}
+                    "history_tokens": args.history_tokens, "prompt_batch": args.prompt_batch}
     if args.shape != "smollm2":
         result["force_profile"] = args.force_profile
     if args.tiny:

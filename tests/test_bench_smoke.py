@@ -214,6 +214,7 @@ def prefix_cache_shape(d: dict) -> None:
     """The random-weight shape, conversations continued in token ids behind their own long
     openings: the later turns hit on both services (outputs are not compared: forced)."""
     assert d["shape"] == "qwen3-8b" and d["history_tokens"] > 0 and d["force_profile"]
+    assert d["prompt_batch"] == 2                  # passed to the target (on the CPU: no graphs)
     positive(d["on"]["multi_turn"]["ttft_later_ms"], d["off"]["multi_turn"]["ttft_later_ms"])
     assert min(d["on"]["multi_turn"]["hit_rate"].values()) > 0
     assert not d["off"]["multi_turn"]["hit_rate"]["target"]
@@ -334,7 +335,7 @@ BENCHES = [
     Bench("kv_fp8", kv_fp8, "## fp8 KV cache (CPU)"),
     Bench("prefix_cache", prefix_cache, "## Prefix caching (CPU)"),
     Bench("prefix_cache", prefix_cache_shape, "## Prefix caching (GPU, Qwen3-8B shape)",
-          extra=("--shape", "qwen3-8b", "--history-tokens", "40")),
+          extra=("--shape", "qwen3-8b", "--history-tokens", "40", "--prompt-batch", "2")),
     Bench("scan_kernels_gpu", scan_kernels_gpu),
     Bench("simulated_tau", simulated_tau),
     Bench("smollm2_gpu", smollm2_gpu),

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 from support.gateway_stack import wait_until
 
 from services.common.engine_loop import EngineLoop, Work
+from services.target.config import TargetConfig
 
 
 class Recorder:
@@ -35,12 +37,14 @@ class Recorder:
         return [(kind, seq) for batch in self.batches for kind, seq, _ in batch]
 
 
-def run_with_blocked_engine(budget: int, scenario, prompts_apart: bool = False) -> Recorder:
+def run_with_blocked_engine(budget: int, scenario, prompts_apart: bool = False,
+                            prompt_sequences: int = 1) -> Recorder:
     """Starts a loop whose first iteration (a verify of "busy") blocks; `scenario(loop)` runs
     meanwhile, then the engine goes on and everything queued is run."""
     step = Recorder()
     loop = EngineLoop(step, token_budget=budget, name="engine-loop-test")
     loop.prompts_apart = lambda: prompts_apart
+    loop.prompt_sequences = prompt_sequences
 
     async def main():
         loop.start()
@@ -107,22 +111,38 @@ def test_prompt_chunks_apart_take_turns_with_the_verifies():
                                 [("verify", "a", 4), ("verify", "b", 4)]]
 
 
-def test_prompts_apart_run_one_sequence_at_a_time():
-    """A prefill graph is captured for one sequence's chunk: two prompts that wait together
-    run in two forwards (the verifies between them), not in one eager batch."""
-    async def scenario(loop: EngineLoop):
-        for work in (Work("prefill", "p", None, cost=10, splittable=True),
-                     Work("prefill", "q", None, cost=6, splittable=True),
-                     Work("verify", "a", None, cost=4)):
-            asyncio.ensure_future(loop.submit(work))
-        await asyncio.sleep(0.05)
+async def two_prompts_and_a_verify(loop: EngineLoop) -> None:
+    for work in (Work("prefill", "p", None, cost=10, splittable=True),
+                 Work("prefill", "q", None, cost=6, splittable=True),
+                 Work("prefill", "s", None, cost=20, splittable=True),
+                 Work("verify", "a", None, cost=4)):
+        asyncio.ensure_future(loop.submit(work))
+    await asyncio.sleep(0.05)
 
-    step = run_with_blocked_engine(32, scenario, prompts_apart=True)
+
+def test_prompts_apart_run_one_sequence_at_a_time():
+    """A prefill graph is captured for one sequence's chunk: prompts that wait together run in
+    forwards of their own (the verifies between them), not in one eager batch."""
+    step = run_with_blocked_engine(32, two_prompts_and_a_verify, prompts_apart=True)
     assert step.batches[1:] == [[("prefill", "p", 10)], [("verify", "a", 4)],
-                                [("prefill", "q", 6)]]
+                                [("prefill", "q", 6)], [("prefill", "s", 20)]]
+
+
+def test_prompts_apart_with_a_prompt_batch_share_their_forward():
+    """--prompt-batch 2: two waiting prompts' chunks in one prompts' forward, still apart from
+    the verifies; the third waits for the next prompts' turn."""
+    step = run_with_blocked_engine(32, two_prompts_and_a_verify, prompts_apart=True,
+                                   prompt_sequences=2)
+    assert step.batches[1:] == [[("prefill", "p", 10), ("prefill", "q", 6)],
+                                [("verify", "a", 4)], [("prefill", "s", 20)]]
 
 
 def test_prompt_chunks_share_the_batch_unless_apart():
     step = run_with_blocked_engine(32, queue_prompt_and_verifies)
     assert step.batches[1] == [("verify", "a", 4), ("verify", "b", 4), ("release", "r", 0),
                                ("prefill", "p", 10)]
+
+
+def test_a_prompt_batch_below_one_is_refused():
+    with pytest.raises(ValueError, match=r"prompt batch 0: allowed >= 1"):
+        TargetConfig(model_dir="m", prompt_batch=0)

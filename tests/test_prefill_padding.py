@@ -8,9 +8,11 @@ follow, and every page back at the end."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
+from support.gateway_stack import wait_until
 from support.inproc_target import started_engine
 
 from runtime.sampling import SamplingConfig
@@ -116,6 +118,39 @@ def test_prompts_apart_from_verifies_give_what_mixed_batches_give(engines):
     _assert_same(expected, got)
     assert padded.worker.kv_cache.usage() == 0
     assert plain.stats.max_batch == 2 and padded.stats.max_batch == 1   # mixed, and apart
+
+
+async def _together(engine: TargetEngine) -> list:
+    """Three short prompts prefilled at once (later chat turns arriving together): the engine
+    thread is held until all three wait."""
+    calls = [PrefillCall(f"t{i}", PROMPTS[i], SamplingConfig(), LAYERS, torch.float32)
+             for i in (0, 1, 2)]
+    gate = threading.Event()
+    engine.loop.call(lambda: gate.wait(10))
+    pending = asyncio.gather(*(engine.prefill(c) for c in calls))
+    await asyncio.to_thread(wait_until, lambda: engine.loop.waiting == 3, 10, 0.01,
+                            "three prompts waiting")
+    gate.set()
+    done = await pending
+    for c in calls:
+        await engine.release(c.seq_id)
+    return [(r.next_token, r.seq_len, r.features) for r in done]
+
+
+def test_a_prompt_batch_runs_waiting_prompts_in_one_forward_and_changes_nothing(
+        engines, tiny_llama_02_dir):
+    """--prompt-batch 3 where prompts run apart: the three waiting prompts' chunks share one
+    (eager) forward instead of one forward each, and give what they give alone."""
+    plain, _ = engines
+    batched = _engine(tiny_llama_02_dir, TargetHooks(pad_prefill_to=(16, 32, 48)),
+                      prompt_batch=3)
+    try:
+        expected, got = asyncio.run(_together(plain)), asyncio.run(_together(batched))
+        _assert_same(expected, got)
+        assert batched.loop.prompts_apart() and batched.stats.max_batch == 3
+        assert batched.worker.kv_cache.usage() == 0
+    finally:
+        batched.stop()
 
 
 def test_sizes_padding_picks_and_what_is_not_padded(engines, tiny_llama_02_dir):

@@ -86,6 +86,9 @@ class EngineLoop:
         # True: prompt chunks never share a forward with other works (set by the target where
         # CUDA graphs are captured: a mixed batch runs eagerly); read at every iteration
         self.prompts_apart: Callable[[], bool] = lambda: False
+        # apart: at most this many sequences' chunks in a prompts' forward (1: the lone chunk a
+        # captured prefill graph runs; more: one eager forward for the prompts waiting together)
+        self.prompt_sequences = 1
         self._prompts_turn = False    # apart: the next forward is the prompts' (they alternate)
 
     def start(self) -> None:
@@ -143,7 +146,8 @@ class EngineLoop:
             apart = self.prompts_apart()
             urgent, prompts = self._turns(apart)
             budget = self._fill(self._urgent, self.token_budget, batch, urgent)
-            self._fill(self._prompts, budget, batch, prompts, 1 if apart else None)
+            self._fill(self._prompts, budget, batch, prompts,
+                       self.prompt_sequences if apart else None)
             self._running = len(batch)
             return batch
 
@@ -165,7 +169,8 @@ class EngineLoop:
         """Takes the queue's works FIFO into `batch` within `budget` (a prompt larger than what
         is left is split; the first work always fits); computing False: only works of cost 0
         (releases, calls); max_computing: at most that many works with tokens (prompts apart:
-        one sequence's chunk per forward, the batch a prefill graph was captured for). Returns
+        prompt_sequences sequences' chunks per forward; 1, the batch a prefill graph was
+        captured for). Returns
         the budget left."""
         taken = 0
         for w in queue:

@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--mixed-batches", action="store_true", help="prompt chunks share forwards "
               "with verifies even where CUDA graphs are captured (without it they take turns, "
               "each forward a graph replay; a mixed batch runs eagerly)")
+    flags.add(p, "--prompt-batch", 1, int, "without --mixed-batches where graphs are captured: "
+              "at most this many sequences' prompt chunks in one prompts' forward (1: a lone "
+              "chunk, a graph replay; more: the prompts waiting together in one eager forward)")
     flags.add(p, "--graph-capture-layers", "", _int_list,
               "feature layers the graphed verify returns (the drafter's target_layer_ids)")
     flags.add(p, "--verify-state-slots", -1, int, "hybrid models: sequences that can verify blocks "
@@ -97,7 +100,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig:
         state_slots=args.state_slots, model_id=args.model_id,
         cuda_graphs=not args.no_cuda_graphs, graph_block_sizes=args.graph_block_sizes,
         graph_tree_sizes=args.graph_tree_sizes, graph_prefill_sizes=args.graph_prefill_sizes,
-        mixed_batches=args.mixed_batches,
+        mixed_batches=args.mixed_batches, prompt_batch=args.prompt_batch,
         graph_capture_layers=args.graph_capture_layers,
         verify_state_slots=args.verify_state_slots, cpu_gemm=args.cpu_gemm,
         feature_plane=args.feature_plane, feature_plane_mib=args.feature_plane_mib,

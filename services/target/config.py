@@ -40,6 +40,10 @@ class TargetConfig:
     # prompt chunks share forwards with verifies even where prefill graphs are captured (one
     # eager forward instead of two graph replays); off: they take turns (EngineLoop.prompts_apart)
     mixed_batches: bool = False
+    # prompts apart: at most this many sequences' chunks in one prompts' forward (1: a lone
+    # chunk, run as a captured prefill graph; more: the prompts waiting together in one eager
+    # forward - later chat turns arriving together queue behind each other otherwise)
+    prompt_batch: int = 1
     # hybrid: sequences that can verify blocks of 2+ tokens (-1 = state_slots); see runtime/state_pool.py
     verify_state_slots: int = -1
     cpu_gemm: str = DEFAULT_CPU_GEMM   # fp32 CPU GEMM (runtime/layers/linear.py): auto | onednn | torch
@@ -80,6 +84,9 @@ class TargetConfig:
             batch_invariance.check(self.device, self.attention_backend)
         if self.feature_plane == "cuda-ipc" and not self.device.startswith("cuda"):
             raise ValueError("--feature-plane cuda-ipc needs --device cuda")
+        if self.prompt_batch < 1:
+            raise ValueError(f"prompt batch {self.prompt_batch}: allowed >= 1 (sequences whose "
+                             f"prompt chunks share a forward)")
         if self.prefix_cache_max_pages < 0 or self.prefix_state_checkpoints < 0:
             raise ValueError(f"prefix_cache_max_pages ({self.prefix_cache_max_pages}, 0 = no "
                              f"cap) and prefix_state_checkpoints "

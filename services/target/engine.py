@@ -47,6 +47,7 @@ class TargetEngine(SequenceEngine[TargetSequence]):
                                          self._answer, self._refuse)
         self.forced = worker.hooks.forced_acceptance     # benchmarks only (TargetHooks)
         self.loop.prompts_apart = worker.prompts_apart     # where graphs would be lost to mixing
+        self.loop.prompt_sequences = worker.config.prompt_batch
         cfg = worker.config
         self.publisher = FeaturePublisher(plane_transports(cfg.feature_plane, worker.device),
                                           cfg.feature_plane_mib << 20, worker.device)
