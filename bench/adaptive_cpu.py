@@ -476,14 +476,14 @@ def shaped_stack(args: argparse.Namespace, dtype: str, root: Path
     copy_tokenizer(tdir)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 500, (64,), generator=g).tolist() for _ in range(32)]
-    target_kv, draft_kv = ("", "") if tiny else kv_budgets(args.device)
+    target_kv, draft_kv = ("64MiB", "32MiB") if tiny else kv_budgets(args.device)
     options = {
         "device": args.device, "dtype": dtype, "attention_backend": "torch" if tiny else "triton",
         "model_dir": str(tdir), "draft_model": str(ddir), "ready_timeout_s": 900,
-        "target_args": ("--kv-budget", "64MiB" if tiny else target_kv, "--max-block-size", "16",
+        "target_args": ("--kv-budget", target_kv, "--max-block-size", "16",
                         "--graph-capture-layers", ",".join(map(str, taps)),
                         "--token-budget", "2048"),
-        "draft_args": ("--kv-budget", "32MiB" if tiny else draft_kv, "--token-budget", "8192"),
+        "draft_args": ("--kv-budget", draft_kv, "--token-budget", "8192"),
         "target_hooks": HookFlags(random_weights=True, force_profile=args.force_profile),
         "draft_hooks": HookFlags(random_weights=True)}
     return prompts, options

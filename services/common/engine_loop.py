@@ -170,8 +170,7 @@ class EngineLoop:
         is left is split; the first work always fits); computing False: only works of cost 0
         (releases, calls); max_computing: at most that many works with tokens (prompts apart:
         prompt_sequences sequences' chunks per forward; 1, the batch a prefill graph was
-        captured for). Returns
-        the budget left."""
+        captured for). Returns the budget left."""
         taken = 0
         for w in queue:
             if w.remaining and not (computing and (max_computing is None or taken < max_computing)):
