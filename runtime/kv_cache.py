@@ -91,7 +91,10 @@ class PagedKVCache:
                         else (head_dim, head_dim))
         self.k = torch.zeros(shape + (k_dim,), dtype=dtype, device=device)
         self.v = torch.zeros(shape + (v_dim,), dtype=dtype, device=device)
-        self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
+        # pop() hands out low ids first, and a freed page is the next one taken: a sequence's
+        # pages are mostly consecutive, which lets the CPU attention read its K/V in place
+        # (first_slot_if_consecutive)
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))
         self._refs = [0] * num_pages    # sequences holding each page
         self.prefix_cache = prefix_cache
 
@@ -127,6 +130,14 @@ class PagedKVCache:
         if not self.latent_value_dim:
             return k, self.v[layer][index]
         return torch.cat([k, self.v[layer][index]], dim=-1), k
+
+    def span(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """gather() of the consecutive slots [start, start + length) without a copy: views
+        (keys [length, nkv, head_dim], values [length, nkv, value_dim]); MLA joins its pools."""
+        k = self.k[layer].narrow(0, start, length)
+        if not self.latent_value_dim:
+            return k, self.v[layer].narrow(0, start, length)
+        return torch.cat([k, self.v[layer].narrow(0, start, length)], dim=-1), k
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [T, nkv, dim] -> slots [T] of the layer, each into its pool. Latent (MLA): k is
@@ -286,6 +297,16 @@ class PagedKVCache:
         """Flat slot ids of the given positions (pages must already exist)."""
         ps = self.page_size
         return [table.pages[p // ps] * ps + p % ps for p in positions]
+
+
+def first_slot_if_consecutive(pages: list[int], num_tokens: int, page_size: int) -> int | None:
+    """The slot of position 0 when positions [0, num_tokens) lie in consecutive slots (their
+    pages are consecutive ascending ids), else None."""
+    first = pages[0]
+    for i in range(1, -(-num_tokens // page_size)):
+        if pages[i] != first + i:
+            return None
+    return first * page_size
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from runtime.attention.base import AttentionBackend
 from runtime.attention.metadata import AttentionMetadata
+from runtime.kv_cache import first_slot_if_consecutive
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -29,6 +30,10 @@ class TorchAttentionBackend(AttentionBackend):
         # (sequence, window) -> its tree mask over its keys, also built once per forward
         self._tree_masks: dict[tuple[int, int | None], torch.Tensor] = {}
         self._offsets = meta.cu_q_lens
+        # per sequence: the slot of its position 0 when its K/V lie in consecutive slots (read
+        # in place, no gather), else None
+        self._spans = [first_slot_if_consecutive(pages, n, ps) if pages else None
+                       for pages, n in zip(meta.page_lists, kv_lens)]
 
     def _mask(self, prefix: int, q_len: int, causal: bool, window: int | None
               ) -> torch.Tensor | None:
@@ -60,10 +65,9 @@ class TorchAttentionBackend(AttentionBackend):
         trees = meta.tree_masks or [None] * meta.batch_size
         for i, (prefix, q_len) in enumerate(zip(meta.prefix_lens, meta.q_lens)):
             lo, hi = self._offsets[i], self._offsets[i + 1]
-            idx = self._kv_index[i, : prefix + q_len]
             mask = (self._mask(prefix, q_len, causal, window) if trees[i] is None
                     else self._tree_mask(i, prefix, window))
-            kb, vb = self.cache.gather(layer, idx)
+            kb, vb = self._keys_values(i, prefix + q_len)
             out[lo:hi] = self._sdpa(q[None, lo:hi], kb[None], vb[None], mask)[0]
         return out
 
@@ -78,9 +82,20 @@ class TorchAttentionBackend(AttentionBackend):
         meta = self.meta
         bs, q_len, prefix = meta.batch_size, meta.q_lens[0], meta.prefix_lens[0]
         qb = q.view(bs, q_len, self.num_heads, q.shape[-1])
-        kb, vb = self.cache.gather(self._layer, self._kv_index)                 # [bs, kv, nkv, hd]
+        if bs == 1:
+            kb, vb = (t[None] for t in self._keys_values(0, prefix + q_len))
+        else:
+            kb, vb = self.cache.gather(self._layer, self._kv_index)             # [bs, kv, nkv, hd]
         mask = self._mask(prefix, q_len, causal, window)
         return self._sdpa(qb, kb, vb, mask).reshape(-1, self.num_heads, vb.shape[-1])
+
+    def _keys_values(self, i: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence i's first kv_len keys and values of the current layer [kv_len, nkv, dim]:
+        views where its slots are consecutive, else gathered."""
+        start = self._spans[i]
+        if start is not None:
+            return self.cache.span(self._layer, start, kv_len)
+        return self.cache.gather(self._layer, self._kv_index[i, :kv_len])
 
     def _sdpa(self, q, k, v, mask) -> torch.Tensor:
         """q [b, q, nh, hd], k [b, kv, nkv, hd], v [b, kv, nkv, vd] -> [b, q, nh, vd]."""
