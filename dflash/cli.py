@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("dflash.demo", "start the local stack and run a short chat through the OpenAI API"),
     "train-draft": ("train.cli", "train a DFlash drafter for a target"),
     "eval-draft": ("train.evaluate", "measure a drafter's acceptance length"),
+    "draft-vocab": ("train.draft_vocab", "rank the tokens a drafter proposes from (the target's answers)"),
     "build-prompts": ("train.prompts", "build the offline prompt set"),
 }
 

@@ -15,6 +15,7 @@ import pytest
 from support.draft_service import start_draft
 from support.tiny_models import make_tiny
 
+from runtime.draft_vocab import DraftVocab
 from runtime.models.dflash import DFlashConfig
 from runtime.weights import read_tensors
 
@@ -69,6 +70,12 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
         "train-followup_t0.0.jsonl", "train-followup_t0.7_s1.jsonl"}
     cfg = DFlashConfig.from_dir(out)
     assert cfg.block_size == 8 and cfg.mask_token_id == 16 and cfg.target_layer_ids == (1, 5)
+    # the drafter's vocabulary: the tokens of the greedy training answers, EOS first
+    vocab = DraftVocab.load(out)
+    greedy = [json.loads(line)["response_ids"]
+              for line in (tmp_path / "work" / "train_t0.0.jsonl").read_text().splitlines()]
+    assert set(vocab.ids) == {t for r in greedy for t in r} | {vocab.ids[0]}
+    assert summary["draft_vocab"] == len(vocab.ids)
     # --layer-passes 2: one set of layer weights, run twice
     assert cfg.layer_passes == 2 and "runs through them 2 times" in (out / "README.md").read_text()
     assert not any(name.startswith("layers.1.") for name in read_tensors(str(out), None))

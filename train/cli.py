@@ -300,6 +300,7 @@ def _generate(args, prompts: list, temperature: float, seed: int,
 def run(args: argparse.Namespace) -> int:
     from runtime.config import read_config_json
     from services.common.logs import setup_logging
+    from train import draft_vocab
     from train.config import TrainConfig
     from train.prompts import load_prompts
     from train.report import evaluate_splits, write_card
@@ -371,6 +372,10 @@ def run(args: argparse.Namespace) -> int:
                  cfg.checkpoint)
         return 0
     path, summary = result.out, result.summary
+    vocab = draft_vocab.write(path, (e.response_ids for e in greedy), args.target,
+                              f"response_ids of the target's {len(greedy)} greedy answers to "
+                              f"the training prompts")
+    summary["draft_vocab"] = len(vocab.ids)
     summary["eval"] = evaluate_splits(replace(cfg, eval_sequences=args.eval_sequences), path, held)
     summary["command"] = "dflash " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     (path / "training.json").write_text(json.dumps(summary, indent=2) + "\n")

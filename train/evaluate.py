@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-split", type=int, default=24, help="prompts per split (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--draft-vocab", type=int, default=-1, help="the drafter's vocabulary: -1 = "
+                   "its draft_vocab.json when it ships one, 0 = every token, N = its N most frequent")
     p.add_argument("--tree-nodes", type=int, default=0,
                    help="T = 0: verify a tree of this many drafts per step (0 = a chain)")
     p.add_argument("--concurrency", type=int, default=8)
@@ -84,7 +86,7 @@ async def evaluate(args: argparse.Namespace,
                      lease_seconds=3600),
         DraftConfig(target_dir=target_dir, model_dir=args.draft_model, device=args.device,
                     dtype=_draft_dtype(args), attention_backend=backend,
-                    lease_seconds=3600))
+                    draft_vocab=args.draft_vocab, lease_seconds=3600))
     tok = ChatTokenizer(target_dir)
     eos = set(engines.target.worker.facts.eos_token_ids)
     runs: list[dict] = []

@@ -296,10 +296,23 @@ class TargetHead:
     the scales its family applies around them (runtime/config.head_scales)."""
 
     def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor, embed_scale: float = 1.0,
-                 logit_scale: float = 1.0) -> None:
+                 logit_scale: float = 1.0, vocab_ids: torch.Tensor | None = None) -> None:
+        """vocab_ids: int64 [K] on the head's device when the LM head holds only those tokens'
+        rows (a drafter's vocabulary: runtime/draft_vocab.py): logits then have K columns and
+        greedy / token_ids map columns back to token ids."""
         self.embed_weight = embed
         self.lm_head_weight = lm_head
         self.embed_scale, self.logit_scale = embed_scale, logit_scale
+        self.vocab_ids = vocab_ids
+
+    def restricted(self, ids: tuple[int, ...] | None) -> TargetHead:
+        """This head scoring only `ids` (their LM head rows copied, contiguous); itself for
+        None. The embedding stays whole."""
+        if ids is None:
+            return self
+        index = torch.tensor(ids, dtype=torch.int64, device=self.lm_head_weight.device)
+        return TargetHead(self.embed_weight, self.lm_head_weight[index].contiguous(),
+                          self.embed_scale, self.logit_scale, index)
 
     @staticmethod
     def load(target_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
@@ -338,13 +351,18 @@ class TargetHead:
         return x if self.embed_scale == 1.0 else x * self.embed_scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> fp32 logits [N, V] (differentiable: the training loss uses it too)."""
+        """hidden [N, H] -> fp32 logits [N, V], or [N, K] for a restricted head (differentiable:
+        the training loss uses it too)."""
         logits = linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
         return logits if self.logit_scale == 1.0 else logits * self.logit_scale
 
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Logit columns (any shape) -> token ids: the same unless the head is restricted."""
+        return columns if self.vocab_ids is None else self.vocab_ids[columns]
+
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> int64 [N]: argmax of the fp32 logits."""
-        return self.logits(hidden).argmax(-1)
+        """hidden [N, H] -> int64 [N]: the token of the largest fp32 logit."""
+        return self.token_ids(self.logits(hidden).argmax(-1))
 
 
 # -- checkpoint I/O --------------------------------------------------------------------------

@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--max-block-size", 0, int, "largest Propose block (0 = the drafter's block size)")
     flags.add(p, "--max-tree-nodes", 255, int, "dflash: most drafts in a tree Propose (0 = chains "
               "only)")
+    flags.add(p, "--draft-vocab", -1, int, "dflash: the tokens drafts come from: -1 = the "
+              "drafter's draft_vocab.json ranking when it ships one (else all), 0 = every target "
+              "token, N = the ranking's N most frequent")
     flags.add(p, "--block-size", 8, int, "prompt lookup: the block size it advertises")
     flags.add(p, "--max-ngram", 4, int, "prompt lookup: longest suffix n-gram matched")
     flags.add(p, "--min-ngram", 1, int, "prompt lookup: shortest suffix n-gram matched")
@@ -69,7 +72,7 @@ def config_from_args(args: argparse.Namespace) -> DraftConfig:
         device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
         kv_budget_bytes=args.kv_budget, page_size=args.page_size,
         max_block_size=args.max_block_size, max_tree_nodes=args.max_tree_nodes,
-        block_size=args.block_size, max_ngram=args.max_ngram, min_ngram=args.min_ngram,
+        draft_vocab=args.draft_vocab, block_size=args.block_size, max_ngram=args.max_ngram, min_ngram=args.min_ngram,
         lookup_tree_nodes=args.lookup_tree_nodes,
         token_budget=args.token_budget, lease_seconds=args.lease_seconds,
         feature_dtype=args.feature_dtype, model_id=args.model_id,

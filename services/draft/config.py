@@ -23,6 +23,9 @@ class DraftConfig:
     page_size: int = 16
     max_block_size: int = 0            # 0 = the drafter's block size
     max_tree_nodes: int = 255          # dflash: draft nodes a tree Propose may ask for (0 = chains)
+    # dflash: the token ids drafts come from (runtime/draft_vocab.py): -1 = the checkpoint's
+    # draft_vocab.json when it ships one, else all; 0 = every target token; N = its N most frequent
+    draft_vocab: int = -1
     block_size: int = 8                # prompt lookup: the advertised block size
     max_ngram: int = 4                 # prompt lookup: longest suffix n-gram tried
     lookup_tree_nodes: int = 0         # prompt lookup: most drafts in a tree of continuations
@@ -56,6 +59,9 @@ class DraftConfig:
                              f"allowed: {list(FEATURE_DTYPES)}")
         if self.page_size < 1 or self.block_size < 1 or self.max_block_size < 0:
             raise ValueError("page_size and block_size must be >= 1, max_block_size >= 0")
+        if self.draft_vocab < -1:
+            raise ValueError(f"draft_vocab must be -1 (the drafter's own), 0 (every token) or a "
+                             f"count of ids, got {self.draft_vocab}")
         if self.max_tree_nodes < 0:
             raise ValueError(f"max_tree_nodes must be >= 0 (0 = chains only), got "
                              f"{self.max_tree_nodes}")

@@ -15,9 +15,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from runtime import draft_vocab
 from runtime.attention.base import AttentionBackend
 from runtime.attention.metadata import AttentionMetadata, SeqSlice
 from runtime.attention.registry import backend_class
@@ -42,6 +44,12 @@ from services.draft.sequence import DraftSequence
 
 log = logging.getLogger("dflash.draft.dflash")
 TREE_TOP_K = 16                     # candidates per block position a tree is built from
+
+
+class Ranked(NamedTuple):
+    """Each row's likeliest tokens, best first: log-probabilities and token ids, [rows, k]."""
+    values: torch.Tensor
+    indices: torch.Tensor
 
 
 @dataclass
@@ -97,7 +105,8 @@ class DFlashDrafter(Drafter):
             self.model = load_dflash(config.model_dir, self.dtype, self.device, random_weights)
         except ValueError as e:
             raise DrafterRefused(str(e)) from None
-        self.head = TargetHead.load(config.target_dir, self.dtype, self.device, random_weights)
+        self.head = self._draft_head(TargetHead.load(config.target_dir, self.dtype, self.device,
+                                                     random_weights))
         self.facts = DrafterFacts(
             kind="dflash", model_id=config.model_id or default_model_id(config.model_dir),
             block_size=cfg.block_size, max_block_size=config.max_block_size or cfg.block_size,
@@ -114,6 +123,17 @@ class DFlashDrafter(Drafter):
         self._graph = None                  # GraphRunner of the block forward (CUDA + triton or flashinfer)
         self._tree_graph = None             # ... returning each position's top-k (trees)
         self._append_graphs = None          # RowGraphs of the context append (CUDA)
+
+    def _draft_head(self, head: TargetHead) -> TargetHead:
+        """The target's head, restricted to the drafter's vocabulary (config.draft_vocab)."""
+        try:
+            ids = draft_vocab.resolve(self.config.model_dir, self.config.draft_vocab,
+                                      head.vocab_size)
+        except ValueError as e:
+            raise DrafterRefused(str(e)) from None
+        log.info("draft vocabulary", extra={"tokens": len(ids) if ids else head.vocab_size,
+                                            "of": head.vocab_size})
+        return head.restricted(ids)
 
     # -- start-up ----------------------------------------------------------------------------
     def calibrate_cpu_gemm(self) -> None:
@@ -324,7 +344,8 @@ class DFlashDrafter(Drafter):
     def _ranked(self, hidden: torch.Tensor, k: int):
         """hidden [T, H] -> topk (values: fp32 log-probabilities [T, k], indices [T, k]) of the
         target LM head's distribution at each row, best first."""
-        return torch.log_softmax(self.head.logits(hidden), dim=-1).topk(k, dim=-1)
+        top = torch.log_softmax(self.head.logits(hidden), dim=-1).topk(k, dim=-1)
+        return Ranked(top.values, self.head.token_ids(top.indices))
 
     def forward_blocks(self, items: list[ProposeItem]) -> torch.Tensor:
         """norm(hidden) [sum B, H] of each item's block [anchor, MASK x (B-1)] at L..L+B-1."""
