@@ -24,6 +24,7 @@ from pathlib import Path
 FILE = "draft_vocab.json"
 FULL = 0             # DraftConfig.draft_vocab: every target token
 SHIPPED = -1         # ... the checkpoint's ranking when it ships one, else every token
+MIN_IDS = 64         # fewer is refused (a tree takes each position's 16 likeliest tokens)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ def resolve(model_dir: str | Path, size: int, vocab_size: int) -> tuple[int, ...
         raise ValueError(f"--draft-vocab {size}: the drafter {model_dir} ships no {FILE} "
                          f"(write one with `dflash draft-vocab`, or pass 0 for every token)")
     ids = vocab.top(size) if size > 0 else vocab.ids
+    if len(ids) < MIN_IDS:
+        raise ValueError(f"a draft vocabulary of {len(ids)} ids is too small: at least "
+                         f"{MIN_IDS} (--draft-vocab 0: every token)")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"{Path(model_dir) / FILE} holds ids outside the target vocabulary "

@@ -48,14 +48,17 @@ def test_resolve(tmp_path):
     assert resolve(tmp_path, FULL, 100) is None
     with pytest.raises(ValueError, match="ships no draft_vocab.json"):
         resolve(tmp_path, 10, 100)
-    DraftVocab((9, 3, 50, 1)).save(tmp_path)
-    assert resolve(tmp_path, SHIPPED, 100) == (9, 3, 50, 1)
-    assert resolve(tmp_path, 2, 100) == (9, 3)
-    assert resolve(tmp_path, FULL, 100) is None
+    ranked = tuple(range(199, 99, -1))                      # 100 ids, 199 first
+    DraftVocab(ranked).save(tmp_path)
+    assert resolve(tmp_path, SHIPPED, 300) == ranked
+    assert resolve(tmp_path, 70, 300) == ranked[:70]
+    assert resolve(tmp_path, FULL, 300) is None
+    with pytest.raises(ValueError, match="too small: at least 64"):
+        resolve(tmp_path, 10, 300)
     with pytest.raises(ValueError, match="outside the target vocabulary"):
-        resolve(tmp_path, SHIPPED, 40)
-    DraftVocab((3, 0, 2, 1)).save(tmp_path)
-    assert resolve(tmp_path, SHIPPED, 4) is None            # nothing cut: the plain head
+        resolve(tmp_path, SHIPPED, 150)
+    DraftVocab(tuple(range(99, -1, -1))).save(tmp_path)
+    assert resolve(tmp_path, SHIPPED, 100) is None          # nothing cut: the plain head
 
 
 def test_restricted_head_scores_only_its_tokens():
