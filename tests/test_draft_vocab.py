@@ -85,11 +85,15 @@ def tiny_draft(tiny_qwen3_dir: Path, tmp_path_factory) -> Path:
                                block_size=8, seed=2)
 
 
-def _drafts(draft: Path, target: Path, vocab: int, tree_nodes: int = 0) -> list[list[int]]:
-    """The drafts of a few Proposes through an in-process engine."""
-    cfg = DraftConfig(target_dir=str(target), model_dir=str(draft), page_size=4, draft_vocab=vocab)
+def _drafts(draft: Path, target: Path, vocab: int, tree_nodes: int = 0, **device
+            ) -> list[list[int]]:
+    """The drafts of a few Proposes through an in-process engine (device: DraftConfig's
+    device, attention_backend, cuda_graphs)."""
+    cfg = DraftConfig(target_dir=str(target), model_dir=str(draft), page_size=4, draft_vocab=vocab,
+                      **device)
     drafter = DFlashDrafter(cfg)
     drafter.init_backend()
+    drafter.capture_cuda_graphs()
     engine = DraftEngine(drafter, cfg)
     engine.start()
     gen = torch.Generator().manual_seed(1)
@@ -147,3 +151,19 @@ def test_the_command_counts_answers_in_files_and_archives(tiny_qwen3_dir, tmp_pa
         vocab = DraftVocab.load(out)
         assert vocab.ids == (eos, 6, 5, 7) and vocab.counted == 5
         assert "eval_in_t0.0.jsonl: 4 ids cover 0.5000" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_graph_replayed_drafts_map_to_the_vocabulary_as_eager_ones(tiny_draft, tiny_qwen3_dir,
+                                                                    tmp_path):
+    """On CUDA the block forward and its restricted head run from captured graphs: the same
+    drafts as eager, all from the vocabulary."""
+    draft = Path(shutil.copytree(tiny_draft, tmp_path / "draft"))
+    ids = tuple(range(1, 256, 2))
+    DraftVocab(ids).save(draft)
+    for tree_nodes in (0, 12):
+        runs = [_drafts(draft, tiny_qwen3_dir, SHIPPED, tree_nodes, device="cuda",
+                        dtype="float32", attention_backend="triton", cuda_graphs=graphs)
+                for graphs in (False, True)]
+        assert runs[0] == runs[1]
+        assert all(t in ids for d in runs[1] for t in d)

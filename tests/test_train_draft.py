@@ -76,6 +76,7 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
               for line in (tmp_path / "work" / "train_t0.0.jsonl").read_text().splitlines()]
     assert set(vocab.ids) == {t for r in greedy for t in r} | {vocab.ids[0]}
     assert summary["draft_vocab"] == len(vocab.ids)
+    assert f"draft vocabulary: {len(vocab.ids)} token ids" in (out / "README.md").read_text()
     # --layer-passes 2: one set of layer weights, run twice
     assert cfg.layer_passes == 2 and "runs through them 2 times" in (out / "README.md").read_text()
     assert not any(name.startswith("layers.1.") for name in read_tensors(str(out), None))

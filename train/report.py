@@ -82,6 +82,9 @@ def write_card(draft_dir: Path, summary: dict) -> None:
         f"cosine, {cfg['steps']} steps x {cfg['batch_sequences']} sequences x "
         f"{cfg['blocks_per_sequence']} blocks, bf16 autocast, clip {cfg['grad_clip']}"),
         f"- training time: {summary['train_seconds']} s",
+        *([(f"- draft vocabulary: {summary['draft_vocab']} token ids, ranked by frequency in the "
+            f"target's greedy training answers (`draft_vocab.json`; the draft service scores "
+            f"only them unless `--draft-vocab 0`)")] if "draft_vocab" in summary else []),
         f"- command: `{summary.get('command', '')}`",
         "",
         "## Measured acceptance length (tau, greedy, committed tokens per verify step)",
