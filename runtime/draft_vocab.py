@@ -45,6 +45,16 @@ class DraftVocab:
         ranked = sorted((t for t in counts if t not in set(head)), key=lambda t: (-counts[t], t))
         return DraftVocab(tuple(head + ranked), source, sum(counts.values()))
 
+    def filled(self, vocab_size: int, n: int = 0) -> DraftVocab:
+        """At least min(n or MIN_IDS, vocab_size) ids: the ranking, then the lowest ids it lacks
+        (a BPE vocabulary's low ids are its earliest, most frequent merges)."""
+        want = min(n or MIN_IDS, vocab_size)
+        if len(self.ids) >= want:
+            return self
+        have = set(self.ids)
+        extra = [t for t in range(vocab_size) if t not in have][: want - len(self.ids)]
+        return DraftVocab(self.ids + tuple(extra), self.source, self.counted)
+
     def top(self, n: int) -> tuple[int, ...]:
         """The n most frequent ids (all of them when n >= len)."""
         return self.ids[:n]

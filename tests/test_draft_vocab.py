@@ -30,6 +30,15 @@ def test_rank_puts_always_first_then_by_count_then_id():
     assert vocab.coverage([7, 9, 3, 11], n=2) == 0.25
 
 
+def test_a_short_ranking_is_filled_with_the_lowest_ids_it_lacks():
+    vocab = DraftVocab.rank([[9, 9, 3]], always=[2])
+    filled = vocab.filled(vocab_size=100)
+    assert filled.ids[:3] == (2, 9, 3) and len(filled.ids) == 64 and len(set(filled.ids)) == 64
+    assert filled.ids[3:6] == (0, 1, 4)
+    assert vocab.filled(vocab_size=5).ids == (2, 9, 3, 0, 1)       # never past the vocabulary
+    assert filled.filled(vocab_size=100) is filled
+
+
 def test_file_round_trip_and_unreadable_files(tmp_path):
     assert DraftVocab.load(tmp_path) is None
     vocab = DraftVocab.rank([[4, 4, 1]], source="answers")
@@ -137,7 +146,7 @@ def test_the_command_counts_answers_in_files_and_archives(tiny_qwen3_dir, tmp_pa
                                 for i, r in enumerate(responses)))
         return path
     train = answers("train_t0.0.jsonl", [[5, 6, 6], [6, 7]])
-    held_out = answers("eval_in_t0.0.jsonl", [[6, 8]])
+    held_out = answers("eval_in_t0.0.jsonl", [[6, 200]])
     archive = tmp_path / "answers.tgz"
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(train, arcname="work/train_t0.0.jsonl")
@@ -149,8 +158,9 @@ def test_the_command_counts_answers_in_files_and_archives(tiny_qwen3_dir, tmp_pa
         assert dflash_main(["draft-vocab", "--answers", str(source), "--target",
                             str(tiny_qwen3_dir), "--out", str(out), "--check", str(archive)]) == 0
         vocab = DraftVocab.load(out)
-        assert vocab.ids == (eos, 6, 5, 7) and vocab.counted == 5
-        assert "eval_in_t0.0.jsonl: 4 ids cover 0.5000" in capsys.readouterr().out
+        # ranked, then filled up with the lowest ids to the 64 a server needs
+        assert vocab.ids[:4] == (eos, 6, 5, 7) and vocab.counted == 5 and len(vocab.ids) == 64
+        assert "eval_in_t0.0.jsonl: 64 ids cover 0.5000" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -70,11 +70,13 @@ def test_tiny_training_run_reduces_loss_and_exports_a_servable_drafter(tiny_chat
         "train-followup_t0.0.jsonl", "train-followup_t0.7_s1.jsonl"}
     cfg = DFlashConfig.from_dir(out)
     assert cfg.block_size == 8 and cfg.mask_token_id == 16 and cfg.target_layer_ids == (1, 5)
-    # the drafter's vocabulary: the tokens of the greedy training answers, EOS first
+    # the drafter's vocabulary: the tokens of the greedy training answers, EOS first (this tiny
+    # target writes few distinct tokens: the ranking is filled up to the 64 a server needs)
     vocab = DraftVocab.load(out)
     greedy = [json.loads(line)["response_ids"]
               for line in (tmp_path / "work" / "train_t0.0.jsonl").read_text().splitlines()]
-    assert set(vocab.ids) == {t for r in greedy for t in r} | {vocab.ids[0]}
+    seen = {t for r in greedy for t in r} | {vocab.ids[0]}
+    assert set(vocab.ids[: len(seen)]) == seen and len(vocab.ids) == max(64, len(seen))
     assert summary["draft_vocab"] == len(vocab.ids)
     assert f"draft vocabulary: {len(vocab.ids)} token ids" in (out / "README.md").read_text()
     # --layer-passes 2: one set of layer weights, run twice

@@ -52,9 +52,11 @@ def _lines(name: str, lines: list[str]) -> Iterator[tuple[str, list[int]]]:
 def write(drafter_dir: str | Path, responses: Iterable[list[int]], target_dir: str | Path,
           source: str) -> DraftVocab:
     """Ranks the target's answers (its EOS ids kept first) into the drafter's draft_vocab.json:
-    this command, and `dflash train-draft` when it exports a drafter."""
-    vocab = DraftVocab.rank(responses, always=ModelConfig.from_dir(target_dir).eos_token_ids,
-                            source=source)
+    this command, and `dflash train-draft` when it exports a drafter. Answers with fewer distinct
+    tokens than a served vocabulary needs (MIN_IDS) are filled up with the lowest ids."""
+    target = ModelConfig.from_dir(target_dir)
+    vocab = DraftVocab.rank(responses, always=target.eos_token_ids,
+                            source=source).filled(target.vocab_size)
     vocab.save(drafter_dir)
     return vocab
 
