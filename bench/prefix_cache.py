@@ -361,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-batch", type=int, default=1,
                    help="the target's --prompt-batch (prompt chunks of this many sequences in "
                         "one forward where they run apart from verifies)")
+    p.add_argument("--speculation", default="", help="the gateways' --speculation (default: "
+                   "theirs, auto); fixed keeps the chain length out of the cache comparison")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run the workloads once, unmeasured, on each stack first (behind "
                         "another system prompt: nothing measured hits their pages): kernels "
@@ -387,6 +389,8 @@ def main(argv: list[str] | None = None) -> None:
         _, options = shaped_stack(args, dtype, Path(tmp.name))
         options["spec_tree_nodes"] = 0          # chains: forced acceptance is a chain's
         tok = FoldedTokenizer(Path(options["model_dir"]))
+    if args.speculation:
+        options["speculation"] = args.speculation
     if args.prompt_batch != 1:
         options["target_args"] = (*options.get("target_args", ()),
                                   "--prompt-batch", str(args.prompt_batch))
@@ -397,7 +401,8 @@ def main(argv: list[str] | None = None) -> None:
                     "device": args.device, "dtype": dtype, "conversations": args.conversations,
                     "turns": args.turns, "max_tokens": args.max_tokens,
                     "questions": args.questions, "warmup": args.warmup, "shape": args.shape,
-                    "history_tokens": args.history_tokens, "prompt_batch": args.prompt_batch}
+                    "history_tokens": args.history_tokens, "prompt_batch": args.prompt_batch,
+                    "speculation": args.speculation or "auto"}
     if args.shape != "smollm2":
         result["force_profile"] = args.force_profile
     if args.tiny:
