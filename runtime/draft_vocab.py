@@ -42,13 +42,14 @@ class DraftVocab:
         for tokens in token_lists:
             counts.update(tokens)
         head = list(dict.fromkeys(always))
-        ranked = sorted((t for t in counts if t not in set(head)), key=lambda t: (-counts[t], t))
+        first = set(head)
+        ranked = sorted((t for t in counts if t not in first), key=lambda t: (-counts[t], t))
         return DraftVocab(tuple(head + ranked), source, sum(counts.values()))
 
-    def filled(self, vocab_size: int, n: int = 0) -> DraftVocab:
-        """At least min(n or MIN_IDS, vocab_size) ids: the ranking, then the lowest ids it lacks
-        (a BPE vocabulary's low ids are its earliest, most frequent merges)."""
-        want = min(n or MIN_IDS, vocab_size)
+    def filled(self, vocab_size: int) -> DraftVocab:
+        """At least min(MIN_IDS, vocab_size) ids: the ranking, then the lowest ids it lacks (a
+        BPE vocabulary's low ids are its earliest, most frequent merges)."""
+        want = min(MIN_IDS, vocab_size)
         if len(self.ids) >= want:
             return self
         have = set(self.ids)

@@ -123,21 +123,15 @@ class PagedKVCache:
         """The layer's values [slots, nkv, value_dim]: V, or the latent pool (MLA)."""
         return self.k[layer] if self.latent_value_dim else self.v[layer]
 
-    def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, index: torch.Tensor | slice
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries at slot `index` (any shape) of the layer, not dequantised: (keys [..., nkv,
-        head_dim], values [..., nkv, value_dim]); an MLA key is its two pools joined."""
+        head_dim], values [..., nkv, value_dim]); an MLA key is its two pools joined. A slice of
+        consecutive slots reads them in place (views, no copy)."""
         k = self.k[layer][index]
         if not self.latent_value_dim:
             return k, self.v[layer][index]
         return torch.cat([k, self.v[layer][index]], dim=-1), k
-
-    def span(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """gather() of the consecutive slots [start, start + length) without a copy: views
-        (keys [length, nkv, head_dim], values [length, nkv, value_dim]); MLA joins its pools."""
-        k = self.k[layer].narrow(0, start, length)
-        if not self.latent_value_dim:
-            return k, self.v[layer].narrow(0, start, length)
-        return torch.cat([k, self.v[layer].narrow(0, start, length)], dim=-1), k
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [T, nkv, dim] -> slots [T] of the layer, each into its pool. Latent (MLA): k is

@@ -19,10 +19,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().prepare(meta)
         ps = meta.page_size
         kv_lens = meta.kv_lens
-        max_kv = max(kv_lens)
-        pos = torch.arange(max_kv, device=meta.page_tables.device)
-        pages = meta.page_tables[:, (pos // ps).clamp(max=meta.page_tables.shape[1] - 1)]
-        self._kv_index = pages * ps + pos % ps                                  # [bs, max_kv]
+        self._kv_index_built: torch.Tensor | None = None     # _kv_index, when a gather needs it
         self._uniform = (len(set(meta.q_lens)) == 1 and len(set(kv_lens)) == 1
                          and meta.tree_masks is None)
         # (prefix, q_len, causal, window) -> mask: built once per forward, not once per layer
@@ -34,6 +31,17 @@ class TorchAttentionBackend(AttentionBackend):
         # in place, no gather), else None
         self._spans = [first_slot_if_consecutive(pages, n, ps) if pages else None
                        for pages, n in zip(meta.page_lists, kv_lens)]
+
+    @property
+    def _kv_index(self) -> torch.Tensor:
+        """int64 [bs, max_kv]: each sequence's slot of each position, built on first use in a
+        forward (none when every sequence's K/V are read in place)."""
+        if self._kv_index_built is None:
+            meta, ps = self.meta, self.meta.page_size
+            pos = torch.arange(max(meta.kv_lens), device=meta.page_tables.device)
+            pages = meta.page_tables[:, (pos // ps).clamp(max=meta.page_tables.shape[1] - 1)]
+            self._kv_index_built = pages * ps + pos % ps
+        return self._kv_index_built
 
     def _mask(self, prefix: int, q_len: int, causal: bool, window: int | None
               ) -> torch.Tensor | None:
@@ -93,9 +101,9 @@ class TorchAttentionBackend(AttentionBackend):
         """Sequence i's first kv_len keys and values of the current layer [kv_len, nkv, dim]:
         views where its slots are consecutive, else gathered."""
         start = self._spans[i]
-        if start is not None:
-            return self.cache.span(self._layer, start, kv_len)
-        return self.cache.gather(self._layer, self._kv_index[i, :kv_len])
+        index = (slice(start, start + kv_len) if start is not None
+                 else self._kv_index[i, :kv_len])
+        return self.cache.gather(self._layer, index)
 
     def _sdpa(self, q, k, v, mask) -> torch.Tensor:
         """q [b, q, nh, hd], k [b, kv, nkv, hd], v [b, kv, nkv, vd] -> [b, q, nh, vd]."""
