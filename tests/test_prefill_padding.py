@@ -125,8 +125,11 @@ async def _together(engine: TargetEngine) -> list:
     thread is held until all three wait."""
     calls = [PrefillCall(f"t{i}", PROMPTS[i], SamplingConfig(), LAYERS, torch.float32)
              for i in (0, 1, 2)]
-    gate = threading.Event()
-    engine.loop.call(lambda: gate.wait(10))
+    gate, running = threading.Event(), threading.Event()
+    engine.loop.call(lambda: (running.set(), gate.wait(10)))
+    # the prompts must arrive after the engine thread took the call alone: taken in one batch
+    # with it, they would count as running, not waiting
+    await asyncio.to_thread(running.wait, 10)
     pending = asyncio.gather(*(engine.prefill(c) for c in calls))
     await asyncio.to_thread(wait_until, lambda: engine.loop.waiting == 3, 10, 0.01,
                             "three prompts waiting")
