@@ -254,6 +254,9 @@ def target_cpu(d: dict) -> None:
     positive(*(r["median_ms"] for r in d["verify"]), *(r["step_median_ms"] for r in d["verify"]))
     positive(*(r["transformers"]["median_ms"] for r in d["verify"]))
     positive(*(r["tokens_per_s"] for r in d["prefill"]), *(r["median_ms"] for r in d["grpc"]))
+    # the engine ran the GEMMs the service would: measured on this host per row count
+    assert [part.split(":")[0] for part in d["cpu_gemm"].split()] == ["1", "2", "3", "4", "8",
+                                                                     "16", "64"]
 
 
 def kv_fp8(d: dict) -> None:
