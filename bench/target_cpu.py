@@ -37,7 +37,7 @@ import torch
 from bench.report import machine, save
 from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 from runtime import threads as compute_threads
-from runtime.layers.linear import calibrate_cpu_gemm, cpu_gemm
+from runtime.layers.linear import cpu_gemm
 from runtime.sampling import SamplingConfig
 from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
@@ -114,7 +114,7 @@ class EngineBench:
         self.on_engine_thread(lambda: compute_threads.parallel(threads))
         # --cpu-gemm auto as the service runs it: the GEMM per row count measured on this host
         # (without it the fixed rule of the AMD EPYC hosts: 1.9x slower at 1 row on a Xeon)
-        table = self.on_engine_thread(lambda: calibrate_cpu_gemm(self.worker.model.parameters()))
+        table = self.on_engine_thread(self.worker.calibrate_cpu_gemm)
         self.gemm_table = table.describe() if table is not None else cpu_gemm()
 
     def close(self) -> None:

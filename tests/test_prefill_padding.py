@@ -8,12 +8,10 @@ follow, and every page back at the end."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
-from support.gateway_stack import wait_until
-from support.inproc_target import started_engine
+from support.inproc_target import in_one_batch, started_engine
 
 from runtime.sampling import SamplingConfig
 from services.target.config import TargetConfig
@@ -125,16 +123,7 @@ async def _together(engine: TargetEngine) -> list:
     thread is held until all three wait."""
     calls = [PrefillCall(f"t{i}", PROMPTS[i], SamplingConfig(), LAYERS, torch.float32)
              for i in (0, 1, 2)]
-    gate, running = threading.Event(), threading.Event()
-    engine.loop.call(lambda: (running.set(), gate.wait(10)))
-    # the prompts must arrive after the engine thread took the call alone: taken in one batch
-    # with it, they would count as running, not waiting
-    await asyncio.to_thread(running.wait, 10)
-    pending = asyncio.gather(*(engine.prefill(c) for c in calls))
-    await asyncio.to_thread(wait_until, lambda: engine.loop.waiting == 3, 10, 0.01,
-                            "three prompts waiting")
-    gate.set()
-    done = await pending
+    done = await in_one_batch(engine, [engine.prefill(c) for c in calls])
     for c in calls:
         await engine.release(c.seq_id)
     return [(r.next_token, r.seq_len, r.features) for r in done]

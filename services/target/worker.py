@@ -23,6 +23,7 @@ from runtime.attention.metadata import AttentionMetadata, SeqSlice
 from runtime.attention.registry import BackendUnavailable, backend_class
 from runtime.config import default_model_id, dtype_name, parse_dtype
 from runtime.kv_cache import KVLayout, KVScales, PagedKVCache
+from runtime.layers.gemm_calibration import GemmTable
 from runtime.layers.linear import calibrate_cpu_gemm, set_cpu_gemm
 from runtime.layers.scan_kernels import install as install_scan_kernels
 from runtime.models.forward import ForwardBatch, ForwardOutput
@@ -449,12 +450,14 @@ class TargetWorker:
         with torch.inference_mode():
             return self.model.compute_logits(hidden)
 
-    def calibrate_cpu_gemm(self) -> None:
+    def calibrate_cpu_gemm(self) -> GemmTable | None:
         """On the CPU with --cpu-gemm auto: the fastest fp32 GEMM per row count, measured on this
         host for this model's matrices (runtime/layers/gemm_calibration.py). Run on the engine
-        thread (its compute threads) before warm-up, so readiness waits for it."""
-        if self.device.type == "cpu":
-            calibrate_cpu_gemm(self.model.parameters())
+        thread (its compute threads) before warm-up, so readiness waits for it. Returns the
+        table chosen (None: not the CPU, or not auto)."""
+        if self.device.type != "cpu":
+            return None
+        return calibrate_cpu_gemm(self.model.parameters())
 
     def commit_mamba_state(self, commits: list[tuple[int, int]]) -> None:
         """(state slot, last committed block index) per verified sequence, right after acceptance

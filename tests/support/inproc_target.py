@@ -16,6 +16,7 @@ from services.target.config import TargetConfig
 from services.target.engine import PrefillCall, TargetEngine
 from services.target.hooks import NO_TARGET_HOOKS, TargetHooks
 from services.target.worker import TargetWorker
+from support.gateway_stack import wait_until
 
 
 def loaded_worker(model_dir: str | Path, hooks: TargetHooks = NO_TARGET_HOOKS,
@@ -103,6 +104,8 @@ async def in_one_batch(engine: TargetEngine, coros, return_exceptions: bool = Fa
     engine.loop.call(lambda: (running.set(), gate.wait(10)))
     await asyncio.to_thread(running.wait, 10)
     tasks = [asyncio.ensure_future(c) for c in coros]
-    await asyncio.sleep(0.05)
+    # every work queued behind the held call (not a fixed sleep: a loaded host may be slower)
+    await asyncio.to_thread(wait_until, lambda: engine.loop.waiting == len(tasks), 10, 0.005,
+                            f"{len(tasks)} works waiting")
     gate.set()
     return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
