@@ -109,6 +109,14 @@ class Services:
         """What the gateway logged about the feature plane (which one the draft reads, or none)."""
         return features_travel(Path(self.opts.log_dir))
 
+    def ahead_outcomes(self) -> dict[str, float]:
+        """The draft's blocks drafted ahead so far, by outcome (empty: none, or no draft)."""
+        if self.opts.drafter == "none":
+            return {}
+        snap = scrape(self.opts.draft_metrics_port)
+        return {dict(lb)["outcome"]: v for (n, lb), v in snap.items()
+                if n == "dflash_draft_ahead_blocks_total"}
+
     def snapshot(self) -> dict[str, dict]:
         out = {"gateway": scrape(self.opts.http_port), "target": scrape(self.opts.target_metrics_port)}
         if self.opts.drafter != "none":
@@ -389,9 +397,9 @@ def stack_system(spec: str, log_dir: Path) -> tuple[str, StackClient]:
 
 
 def system_options(spec: str) -> tuple[str, str, dict]:
-    """'DRAFTER[:DRAFT_DTYPE][,tree=N][,block=B][,speculation=S][,deterministic]' (e.g.
-    dflash:float32, dflash,tree=15,block=16, dflash,tree=15,speculation=fixed, none,deterministic)
-    -> (its label, the drafter, its further StackOptions)."""
+    """'DRAFTER[:DRAFT_DTYPE][,tree=N][,block=B][,speculation=S][,ahead=on|off][,deterministic]'
+    (e.g. dflash:float32, dflash,tree=15,block=16, dflash,tree=15,speculation=fixed,
+    dflash,ahead=off, none,deterministic) -> (its label, the drafter, its further StackOptions)."""
     head, *opts = spec.split(",")
     drafter, _, dtype = head.partition(":")
     extra = dict(o.split("=", 1) if "=" in o else (o, "1") for o in opts)
@@ -401,10 +409,13 @@ def system_options(spec: str) -> tuple[str, str, dict]:
              + (f" --spec-tree-nodes {tree}" if tree else "")
              + (f" --block-size {block}" if block else "")
              + (f" --speculation {speculation}" if speculation else "")
-             + (" --deterministic" if "deterministic" in extra else ""))
+             + (" --deterministic" if "deterministic" in extra else "")
+             + (f" (draft --draft-ahead {extra['ahead']})" if "ahead" in extra else ""))
     return label, drafter, {"draft_dtype": dtype, "spec_tree_nodes": tree, "block_size": block,
                             **({"speculation": speculation} if speculation else {}),
-                            **({"deterministic": True} if "deterministic" in extra else {})}
+                            **({"deterministic": True} if "deterministic" in extra else {}),
+                            **({"draft_args": ("--draft-ahead", extra["ahead"])}
+                               if "ahead" in extra else {})}
 
 
 def median_run(rounds: list[dict]) -> dict:

@@ -56,9 +56,11 @@ def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir:
                            "identical_to_one_at_a_time": f"{same}/{len(batch)}"})
             print(json.dumps({"drafter": tag, **loaded[-1]}), flush=True)
         travel = svc.features_travel()
+        ahead = svc.ahead_outcomes()
         profile = (profile_stack(svc, address, ids, max_tokens, profile_seconds, log_dir / tag)
                    if profile_seconds else None)
     return {"runs": runs, "output_ids": outputs, "concurrency": loaded, "features_travel": travel,
+            **({"draft_ahead": ahead} if ahead else {}),
             **({"host_profile": profile} if profile else {})}
 
 

@@ -27,7 +27,7 @@ class PlaneChoice:
     def __init__(self, timeout_s: float, target_address: str) -> None:
         self.plane_id = ""
         self.timeout_s = timeout_s
-        self.target_address = target_address     # where a draft reaches a stream plane
+        self.target_address = target_address     # where a draft subscribes to a plane's feed
         self._key: tuple | None = None
         self._task: asyncio.Task | None = None
         self._pair: tuple | None = None          # the last (target caps, draft) refreshed
@@ -74,7 +74,7 @@ class PlaneChoice:
         for offer in offers:
             plane = common_pb2.FeaturePlane()
             plane.CopyFrom(offer)
-            if plane.transport == "stream" and not plane.address:
+            if not plane.address:         # a stream's rows, any plane's commit notices
                 plane.address = self.target_address
             try:
                 resp = await draft.call("AttachPlane", plane, self.timeout_s)

@@ -198,7 +198,7 @@ def test_a_bug_in_the_stream_is_internal_and_logged(worker, caplog):
         feed = engine.publisher.feeds[info.plane_id]
         real = feed.subscribe
 
-        async def broken():
+        async def broken(commits=False):
             yield common_pb2.FeatureStreamMessage()
             raise RuntimeError("injected fault")
         feed.subscribe = broken

@@ -2,9 +2,9 @@
 
 - kill -9 of the target during 8 concurrent streams, restarted on its port: every stream
   completes with output identical to an undisturbed run (nothing lost, nothing repeated);
-- kill -9 of the (DFlash, feature-fed) draft during 8 streams: they go on autoregressively while
-  it is down, speculation resumes after its restart (its context rebuilt from the target's
-  features), output identical;
+- kill -9 of the (DFlash, feature-fed) draft during 8 streams, drafting ahead or not: they go
+  on autoregressively while it is down, speculation resumes after its restart (its context
+  rebuilt from the target's features), output identical;
 - requests wait for a target that is down for up to --upstream-wait, then fail with UNAVAILABLE
   / 503 saying so.
 
@@ -147,9 +147,12 @@ def test_a_frozen_target_is_noticed_and_waited_for(model, logs, reference):
         st.stop()
 
 
-def test_draft_killed_during_8_streams(model, logs, reference, dflash_dir):
+@pytest.mark.parametrize("ahead", ["off", "on"])
+def test_draft_killed_during_8_streams(model, logs, reference, dflash_dir, ahead):
+    """ahead on: the draft drafts ahead from the target's commit notices (the GPU default)."""
     n = N_DRAFT
-    st = start_stack(model, logs, drafter="dflash", draft_model=dflash_dir)
+    st = start_stack(model, logs, drafter="dflash", draft_model=dflash_dir,
+                     draft_flags=("--draft-ahead", ahead))
     try:
         streams = Streams(st.gateway.stub, [request(p, n) for p in PROMPTS]).start()
         streams.wait_tokens(8)
@@ -175,7 +178,7 @@ def test_draft_killed_during_8_streams(model, logs, reference, dflash_dir):
         assert_released(st)
         wait_for(lambda: gauge(st.draft_metrics, "dflash_sequences_active") == 0, 15,
                  "draft sequences released")
-        report("draft_kill", streams=8, tokens_per_stream=n,
+        report(f"draft_kill{'_ahead' if ahead == 'on' else ''}", streams=8, tokens_per_stream=n,
                draft_down_s=round(t_restart - t_kill, 1),
                tokens_while_draft_down=sum(during), proposes_after_restart=int(resumed),
                draft_steps_total=sum(r.usage.draft_steps for r in results),

@@ -58,61 +58,79 @@ class _Rows:
 
 
 class StreamFeed:
-    """One stream plane's events, fanned out to its subscribers. written/freed/flush: the engine
-    thread; subscribe: the server's event loop."""
+    """One plane's events, fanned out to its subscribers: a `stream` plane's rows and freed
+    publications; any plane's commit notices (draft-ahead), to the subscribers that asked for
+    them. written/freed/committed/flush: the engine thread; subscribe: the server's event loop."""
 
     def __init__(self, writer: PlaneWriter) -> None:
         self.writer = writer
+        self.carries_rows = writer.transport == "stream"
         self._pending: list[_Rows | int] = []          # engine thread only
-        self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._commits: list[common_pb2.CommitNotice] = []
+        self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = []
         self._lock = threading.Lock()                  # guards _subscribers
+        self.commit_subscribers = 0                    # read by the engine thread without the lock
 
     @property
     def plane_id(self) -> str:
         return self.writer.plane_id
 
     def written(self, pub: Publication, first_row: int, rows: int) -> None:
-        self._pending.append(_Rows(pub.ref, first_row, rows))
+        if self.carries_rows:
+            self._pending.append(_Rows(pub.ref, first_row, rows))
 
     def freed(self, pub: Publication) -> None:
-        self._pending.append(pub.ref.publication)
+        if self.carries_rows:
+            self._pending.append(pub.ref.publication)
+
+    def committed(self, notice: common_pb2.CommitNotice) -> None:
+        """A Verify's commit, for the subscribers that asked (none: nothing is kept)."""
+        if self.commit_subscribers:
+            self._commits.append(notice)
 
     def flush(self) -> None:
         """After the rows written are on the host: every subscriber gets the events, rows in
-        publication order (see the module's note on ordering)."""
-        if not self._pending:
+        publication order (see the module's note on ordering), then the commit notices."""
+        if not self._pending and not self._commits:
             return
         events = sorted(self._pending, key=lambda e: e.ref.publication if isinstance(e, _Rows)
                         else -1)
-        self._pending = []
+        commits, self._pending, self._commits = self._commits, [], []
         with self._lock:
             subscribers = list(self._subscribers)
-        for loop, queue in subscribers:
+        for loop, queue, wants_commits in subscribers:
+            batch = (events, commits if wants_commits else [])
+            if not batch[0] and not batch[1]:
+                continue
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, events)
+                loop.call_soon_threadsafe(queue.put_nowait, batch)
             except RuntimeError:                       # its loop closed: the server is stopping
                 pass
 
-    async def subscribe(self) -> AsyncIterator[common_pb2.FeatureStreamMessage]:
+    async def subscribe(self, commits: bool = False
+                        ) -> AsyncIterator[common_pb2.FeatureStreamMessage]:
         """The messages of one subscription: an empty one first (subscribed), then the events
         from now on, until the caller stops iterating. A large batch (a prompt's chunk) is
         copied into messages on a worker thread, so the server's loop keeps answering."""
-        entry = (asyncio.get_running_loop(), asyncio.Queue())
+        entry = (asyncio.get_running_loop(), asyncio.Queue(), commits)
         with self._lock:
             self._subscribers.append(entry)
+            self.commit_subscribers += commits
         try:
             yield common_pb2.FeatureStreamMessage()
             while True:
-                events = await entry[1].get()
+                events, notices = await entry[1].get()
                 big = sum(e.rows * e.ref.width * e.ref.dtype.itemsize
                           for e in events if isinstance(e, _Rows)) > CHUNK_BYTES
                 messages = await asyncio.to_thread(self._messages, events) if big \
                     else self._messages(events)
+                messages[-1].commits.extend(notices)
                 for msg in messages:
                     yield msg
         finally:
             with self._lock:
                 self._subscribers.remove(entry)
+                self.commit_subscribers -= commits
 
     def _messages(self, events: list[_Rows | int]) -> list[common_pb2.FeatureStreamMessage]:
         """One flush's events in as few messages as fit about CHUNK_BYTES of rows each."""
@@ -155,11 +173,15 @@ class StreamReader:
     def __init__(self, info: PlaneInfo, credentials: grpc.ChannelCredentials | None = None,
                  options: list[tuple[str, object]] | None = None,
                  on_broken: Callable[[str], None] | None = None,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 metadata: tuple[tuple[str, str], ...] = (),
+                 on_commit: Callable[[common_pb2.CommitNotice], None] | None = None) -> None:
+        """on_commit: also subscribe to the plane's commit notices (draft-ahead), each handed
+        to it on the event loop as it arrives (after the rows it refers to)."""
         if not info.address:
             raise PlaneUnreachable("a stream plane needs the target's address")
         self.info = info
         self.on_broken = on_broken
+        self.on_commit = on_commit
         self.metadata = metadata                       # the internal token, if any
         opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *(options or [])]
         self.channel = (grpc.aio.secure_channel(info.address, credentials, options=opts)
@@ -175,7 +197,9 @@ class StreamReader:
         """Subscribes; raises PlaneUnreachable when the target does not answer as expected."""
         stub = target_pb2_grpc.TargetStub(self.channel)
         self._call = stub.FeatureStream(
-            common_pb2.FeatureStreamRequest(plane_id=self.info.plane_id), metadata=self.metadata)
+            common_pb2.FeatureStreamRequest(plane_id=self.info.plane_id,
+                                            commits=self.on_commit is not None),
+            metadata=self.metadata)
         try:
             first = await asyncio.wait_for(self._call.read(), OPEN_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
@@ -186,7 +210,7 @@ class StreamReader:
             await self.close()
             raise PlaneUnreachable(f"the target at {self.info.address} did not open the feature "
                                    f"stream within {OPEN_TIMEOUT_S:.0f} s") from None
-        if first is grpc.aio.EOF or first.rows or first.freed:
+        if first is grpc.aio.EOF or first.rows or first.freed or first.commits:
             await self.close()
             raise PlaneUnreachable(f"the target at {self.info.address} did not open the feature "
                                    f"stream as expected")
@@ -233,6 +257,8 @@ class StreamReader:
             if entry is not None and not entry.done.is_set():
                 entry.error = f"publication {pub} was freed before it was complete"
                 entry.done.set()
+        for notice in msg.commits if self.on_commit is not None else ():
+            self.on_commit(notice)
 
     def _take_rows(self, piece: common_pb2.FeatureRows) -> None:
         ref = PlaneRef.from_pb(piece.ref)

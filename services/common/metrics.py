@@ -83,6 +83,10 @@ PREFIX_HITS = Counter("dflash_prefix_cache_hits", "Prompt tokens whose KV came f
                       "cache", L + ["service"])
 PREFIX_CACHED_PAGES = Gauge("dflash_prefix_cache_pages", "KV pages the prefix cache holds "
                             "(referenced or not)", L + ["service"])
+DRAFT_AHEAD = Counter("dflash_draft_ahead_blocks", "Draft: blocks drafted ahead from the target's "
+                      "commit notices, by what became of them (used: a Propose took its drafts; "
+                      "reshaped: its context, drafted again at another size; undone: the Propose "
+                      "did not continue it; unused: the sequence went first)", L + ["outcome"])
 HTTP_REQUESTS = Counter("dflash_http_requests", "Gateway HTTP API requests by route and status",
                         L + ["path", "status"])
 
@@ -183,6 +187,11 @@ def record_prefix_lookup(queried: int, hit: int) -> None:
     lb = labels()
     PREFIX_QUERIES.labels(lb.model_name, lb.service).inc(queried)
     PREFIX_HITS.labels(lb.model_name, lb.service).inc(hit)
+
+
+def record_ahead(outcome: str) -> None:
+    """What became of a block drafted ahead (DRAFT_AHEAD's outcomes)."""
+    DRAFT_AHEAD.labels(labels().model_name, outcome).inc()
 
 
 def record_acceptance(model_name: str, drafts: int, accepted: int) -> None:

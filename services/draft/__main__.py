@@ -18,7 +18,7 @@ from services.common.hooks import NO_HOOKS, ServiceHooks
 from services.common.service_flags import add_model_service_flags, check_server_tls
 from services.draft import propose_calibration
 from services.draft import servicer as draft_servicer
-from services.draft.config import DraftConfig
+from services.draft.config import DRAFT_AHEAD, DraftConfig
 from services.draft.drafter import DRAFTERS, Drafter, make_drafter
 from services.draft.engine import DraftEngine, ProposeCall
 
@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--lookup-tree-nodes", 0, int, "prompt lookup: most drafts in a tree of the "
               "continuations of the suffix's earlier occurrences (0 = chains only)")
     flags.add(p, "--feature-dtype", "bfloat16", str, "dtype Propose features arrive in")
+    flags.add(p, "--draft-ahead", "auto", str, "dflash: draft a sequence's next block from the "
+              "target's commit notice, before the gateway's Propose comes: auto (on a CUDA "
+              "device) | on | off", choices=list(DRAFT_AHEAD))
     tls.add_client_flags(p)          # the link to a target's feature stream (another host)
     args = p.parse_args(argv)
     if not args.target_model:
@@ -79,7 +82,8 @@ def config_from_args(args: argparse.Namespace) -> DraftConfig:
         feature_dtype=args.feature_dtype, model_id=args.model_id,
         cuda_graphs=not args.no_cuda_graphs, cpu_gemm=args.cpu_gemm,
         prefix_caching=args.enable_prefix_caching,
-        prefix_cache_max_pages=args.prefix_cache_max_pages, deterministic=args.deterministic)
+        prefix_cache_max_pages=args.prefix_cache_max_pages, deterministic=args.deterministic,
+        draft_ahead=args.draft_ahead)
 
 
 def metrics_name(config: DraftConfig) -> str:
@@ -107,7 +111,8 @@ async def warmup(engine: DraftEngine, drafter: Drafter, delay_s: float) -> None:
 def service(args: argparse.Namespace, hooks: ServiceHooks) -> bootstrap.ModelService:
     config = config_from_args(args)
     servicer = draft_servicer.DraftServicer(config.lease_seconds, config.device,
-                                            tls.client_from_args(args), args.internal_token)
+                                            tls.client_from_args(args), args.internal_token,
+                                            ahead=config.ahead and config.drafter == "dflash")
 
     async def start() -> DraftEngine:
         """Drafter (refused when incompatible: DrafterRefused), its KV cache and backend, CUDA

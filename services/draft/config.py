@@ -9,7 +9,7 @@ from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM, native_bf16_gemm
 
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
 AUTO_DTYPE = "auto"     # bf16 where the device computes it natively, else fp32 (resolved_dtype)
-
+DRAFT_AHEAD = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class DraftConfig:
@@ -42,12 +42,22 @@ class DraftConfig:
     # way (OpenSequence); the service's flag defaults to on, in-process users to off
     prefix_caching: bool = False
     prefix_cache_max_pages: int = 0    # most unreferenced cached pages kept (0: all spare pages)
+    # dflash: draft the next block from the target's commit notices before the gateway's Propose
+    # comes (auto: on a CUDA device; on a 2-core CPU it would take cores from the target's verify)
+    draft_ahead: str = "auto"          # auto | on | off
+
+    @property
+    def ahead(self) -> bool:
+        """Whether to subscribe to commit notices and draft ahead (--draft-ahead)."""
+        return self.draft_ahead == "on" or (self.draft_ahead == "auto" and self.device != "cpu")
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.deterministic:
             batch_invariance.check(self.device, self.attention_backend)
+        if self.draft_ahead not in DRAFT_AHEAD:
+            raise ValueError(f"draft ahead {self.draft_ahead!r}: allowed {DRAFT_AHEAD}")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu gemm {self.cpu_gemm!r} is not offered by this torch build; "
                              f"allowed: {sorted(CPU_GEMMS)}")

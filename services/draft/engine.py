@@ -1,11 +1,13 @@
 """The draft engine: each iteration appends the new context of every Propose in it and drafts all
 their blocks in one forward (through the drafter). At most one work per sequence runs per
 iteration (a second one waits for the next), so Propose and Release of a sequence keep their
-order. The sequence table, leases and gauges: SequenceEngine."""
+order. With draft-ahead, the target's commit notices run as "ahead" works: a sequence's next
+block drafted before its Propose comes (see `ahead`). The sequence table, leases and gauges:
+SequenceEngine."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,7 +19,7 @@ from services.common.errors import InvalidArgument, NotFound, ResourceExhausted,
 from services.common.sequence_engine import SequenceEngine
 from services.draft.config import DraftConfig
 from services.draft.drafter import Drafter, ProposeItem
-from services.draft.sequence import DraftSequence
+from services.draft.sequence import Ahead, DraftSequence
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class ProposeCall:
     anchor: int
     block_size: int
     tree_nodes: int = 0                  # > 0: a tree of that many drafts (checked by the caller)
+    source: tuple = ()                   # the features' plane refs, (plane, publication, offset,
+                                         # rows) each; () = features in the message (or none)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,14 @@ class DraftEngine(SequenceEngine[DraftSequence]):
         return await self._submit(Work("propose", call.seq_id, call,
                                        cost=call.num_new + call.block_size))
 
+    def ahead(self, call: ProposeCall) -> None:
+        """Draft-ahead (any thread): the target committed call's positions (a commit notice) and
+        the gateway's Propose for them is on its way. When the call continues its sequence, its
+        context is appended and the next block drafted now, at the sequence's last Propose's
+        size (block_size and tree_nodes of `call` are ignored); the Propose then takes the
+        drafts, or redrafts at its own size, or - not continuing it - undoes the context."""
+        self.loop.post(Work("ahead", call.seq_id, call, cost=call.num_new, detached=True))
+
     async def open(self, seq_id: str, token_ids: list[int]) -> int:
         """A new sequence (replacing one of that id) holding the context of the prompt's
         longest cached prefix; returns the positions it holds (prefix caching)."""
@@ -65,6 +77,11 @@ class DraftEngine(SequenceEngine[DraftSequence]):
         seen: set[str] = set()
         admitted: list[tuple[Work, ProposeItem]] = []
         for work, _ in batch:
+            if work.kind == "ahead":        # runs now or never (stale behind other work)
+                if work.seq_id not in seen and (item := self._ahead_item(work.payload)):
+                    seen.add(work.seq_id)
+                    admitted.append((work, item))
+                continue
             if work.seq_id in seen:
                 continue                    # stays queued: runs next iteration, in order
             seen.add(work.seq_id)
@@ -75,7 +92,11 @@ class DraftEngine(SequenceEngine[DraftSequence]):
                 work.resolve(self._open(work.seq_id, work.payload))
                 continue
             try:
-                admitted.append((work, self._admit(work.payload)))
+                call = self._from_ahead(work.payload)
+                if isinstance(call, ProposeResult):
+                    work.resolve(call)
+                    continue
+                admitted.append((work, self._admit(call)))
                 work.state["seq"] = admitted[-1][1].seq     # what an abandoned work releases
             except ServiceError as e:
                 work.fail(e)
@@ -112,6 +133,50 @@ class DraftEngine(SequenceEngine[DraftSequence]):
             raise
         return item
 
+    # -- draft-ahead ---------------------------------------------------------------------------
+    def _ahead_item(self, call: ProposeCall) -> ProposeItem | None:
+        """A commit notice's item when it continues a sequence that drafted before (its last
+        size is the guess) and holds no ahead block yet; None: nothing to do."""
+        seq = self.seqs.get(call.seq_id)
+        if seq is None or seq.shape is None or seq.ahead is not None \
+                or call.start != seq.context_len or call.num_new == 0:
+            return None
+        block, nodes = seq.shape
+        item = ProposeItem(seq, call.start, call.num_new, call.features, call.token_ids,
+                           call.anchor, block, nodes)
+        try:
+            self._check_context(item)
+            self.drafter.reserve(item)
+        except (OutOfPages, ServiceError):
+            return None                     # the Propose will say so, if it still applies
+        return item
+
+    def _from_ahead(self, call: ProposeCall) -> ProposeCall | ProposeResult:
+        """A Propose meeting its sequence's ahead block: the block's result when the Propose
+        asks for exactly it; the call without its new positions when only the size differs
+        (their context is in); else the ahead context is undone and the call runs as sent."""
+        seq = self.seqs.get(call.seq_id)
+        ahead = seq.ahead if seq is not None else None
+        if ahead is None:
+            return call
+        seq.ahead = None
+        if (call.start, call.num_new, call.source) != (ahead.start, ahead.num_new, ahead.source) \
+                or not call.source or call.token_ids and tuple(call.token_ids) != ahead.token_ids:
+            seq.context_len = ahead.start
+            del seq.tokens[ahead.start:]
+            metrics.record_ahead("undone")
+            return call
+        seq.shape = (call.block_size, call.tree_nodes)
+        seq.touch()
+        if (call.anchor, call.block_size, call.tree_nodes) == (ahead.anchor, ahead.block_size,
+                                                               ahead.tree_nodes):
+            metrics.record_ahead("used")
+            tree = ahead.drafts
+            return ProposeResult(tree.tokens, seq.context_len, [] if tree.is_chain else tree.parents,
+                                 ahead.rows, ahead.seconds, 0.0)
+        metrics.record_ahead("reshaped")
+        return replace(call, start=seq.context_len, num_new=0, features=None, token_ids=[])
+
     def _open(self, seq_id: str, token_ids: list[int]) -> int:
         if seq_id in self.seqs:
             self._release(seq_id)
@@ -142,6 +207,13 @@ class DraftEngine(SequenceEngine[DraftSequence]):
         rows = sum(i.num_new + i.block_size for i in items)
         for (work, item), tree in zip(admitted, drafts):
             item.seq.context_len = item.context_len
+            if work.kind == "ahead":
+                call = work.payload
+                item.seq.ahead = Ahead(item.start, item.num_new, call.source, tuple(call.token_ids),
+                                       item.anchor, item.block_size, item.tree_nodes, tree, rows,
+                                       seconds)
+                continue
+            item.seq.shape = (item.block_size, item.tree_nodes)
             item.seq.touch()
             parents = [] if tree.is_chain else tree.parents
             work.resolve(ProposeResult(tree.tokens, item.context_len, parents, rows, seconds,
@@ -150,6 +222,8 @@ class DraftEngine(SequenceEngine[DraftSequence]):
 
     # -- SequenceEngine --------------------------------------------------------------------------
     def _free(self, seq: DraftSequence) -> None:
+        if seq.ahead is not None:
+            metrics.record_ahead("unused")
         self.drafter.release(seq)
 
     def kv_usage(self) -> float:

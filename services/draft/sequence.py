@@ -4,7 +4,25 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from runtime.draft_tree import DraftTree
 from runtime.kv_cache import PageTable
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A block drafted from the target's commit notice before its Propose came (draft-ahead):
+    the context it appended - positions start..start+num_new-1, whose features are `source`
+    (the plane refs) and tokens `token_ids` - and the drafts of the block after them."""
+    start: int
+    num_new: int
+    source: tuple
+    token_ids: tuple[int, ...]
+    anchor: int
+    block_size: int
+    tree_nodes: int
+    drafts: DraftTree
+    rows: int                   # the forward it ran in: every sequence's rows, and its time
+    seconds: float
 
 
 @dataclass
@@ -14,6 +32,9 @@ class DraftSequence:
     context_len: int = 0        # positions whose context (features / tokens) is committed
     tokens: list[int] = field(default_factory=list)   # committed token ids (prompt lookup; the
                                                       # prefix cache's keys)
+    shape: tuple[int, int] | None = None    # the last Propose's (block_size, tree_nodes): an
+                                            # ahead block drafts the same
+    ahead: Ahead | None = None              # a block drafted ahead, awaiting its Propose
     last_used: float = field(default_factory=time.monotonic)
     born: float = field(default_factory=time.monotonic)
 

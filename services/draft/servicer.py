@@ -1,6 +1,7 @@
 """dflash.v1.Draft servicer: protobuf <-> domain objects; request validation; nothing else."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import grpc
@@ -8,7 +9,7 @@ import torch
 
 from dflash.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from services.common import call_stream, callers, tensor_codec, validation
-from services.common.errors import DataLoss, InvalidArgument, NotReady, rpc
+from services.common.errors import DataLoss, InvalidArgument, NotReady, ServiceError, rpc
 from services.common.feature_plane import PlaneInfo, PlaneRef, join_rows
 from services.common.tls import ClientTls
 from services.draft.drafter import DrafterFacts
@@ -16,6 +17,7 @@ from services.draft.engine import DraftEngine, ProposeCall
 from services.draft.planes import AttachedPlanes
 from services.draft.propose_calibration import ProposeCurves
 
+log = logging.getLogger("dflash.draft.servicer")
 PROTOCOL_VERSION = 1
 SERVICE_NAME = "dflash.v1.Draft"
 
@@ -25,11 +27,15 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     then every RPC answers UNAVAILABLE naming the stage."""
 
     def __init__(self, lease_seconds: float = 0.0, device: str = "cpu",
-                 stream_tls: ClientTls | None = None, internal_token: str = "") -> None:
+                 stream_tls: ClientTls | None = None, internal_token: str = "",
+                 ahead: bool = False) -> None:
+        """ahead: subscribe to the attached planes' commit notices and draft ahead."""
         self.stage = "starting"
         self.engine: DraftEngine | None = None
         self.lease_seconds = lease_seconds
         self.planes = AttachedPlanes(torch.device(device), stream_tls, internal_token)
+        if ahead:
+            self.planes.on_commit = self._commit
         self.propose_cost = ProposeCurves()     # measured at warm-up (propose_calibration.py)
 
     def _ready(self) -> tuple[DrafterFacts, DraftEngine]:
@@ -77,6 +83,18 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                          batch_seconds=result.batch_seconds,
                                          queue_seconds=result.queue_seconds,
                                          load=engine.load())
+
+    def _commit(self, notice: common_pb2.CommitNotice) -> None:
+        """A target's commit notice (event loop): the engine drafts ahead when it applies. A
+        notice this draft cannot use is dropped: the Propose brings the same, authoritatively."""
+        if self.engine is None or self.stage != "ready":
+            return
+        try:
+            call = ahead_call(notice, self.engine.drafter.facts, self.planes)
+        except ServiceError as e:
+            log.debug("commit notice dropped: %s", e)
+            return
+        self.engine.ahead(call)
 
     @rpc
     async def OpenSequence(self, request: draft_pb2.OpenSequenceRequest, context
@@ -126,7 +144,29 @@ def propose_call(request: draft_pb2.ProposeRequest, facts: DrafterFacts,
     if nodes and block < 2:
         raise InvalidArgument(f"tree_nodes {nodes} with block_size {block}: a tree needs a block "
                               f"of at least 2 (its depth is at most block_size - 1)")
-    return ProposeCall(seq_id, start, len(positions), features, ids, request.anchor, block, nodes)
+    return ProposeCall(seq_id, start, len(positions), features, ids, request.anchor, block, nodes,
+                       _source(request.feature_chunks))
+
+
+def ahead_call(notice: common_pb2.CommitNotice, facts: DrafterFacts, planes: AttachedPlanes
+               ) -> ProposeCall:
+    """A commit notice as the Propose it foretells (its size left to the engine); the features
+    are read from the plane now, while the target keeps them for the coming Propose."""
+    ref = notice.ref
+    _check_format("the commit notice's ref", ref.dtype, [ref.rows, ref.width], len(notice.token_ids),
+                  facts)
+    features = join_rows([planes.read(PlaneRef.from_pb(ref))], planes.device)
+    return ProposeCall(notice.sequence_key, notice.start, len(notice.token_ids), features,
+                       list(notice.token_ids), notice.next_anchor, 0,
+                       source=((ref.plane, ref.publication, ref.offset, ref.rows),))
+
+
+def _source(chunks) -> tuple:
+    """A Propose's features as plane refs (what an ahead block was drafted from), or () when
+    any of them came in the message."""
+    if not chunks or not all(c.HasField("ref") for c in chunks):
+        return ()
+    return tuple((c.ref.plane, c.ref.publication, c.ref.offset, c.ref.rows) for c in chunks)
 
 
 def _check_positions(positions: list[int]) -> int:

@@ -144,6 +144,8 @@ class TargetEngine(SequenceEngine[TargetSequence]):
             if acc is None:
                 self._prefill_chunk_done(part.item, f, d.token, lp[0] if lp else None)
             else:
+                if isinstance(f, Publication):
+                    self._notify(part.item, acc, f)
                 self._answer(part.item.work, VerifyResult(
                     acc.accepted, acc.tokens, _ref(f), part.item.seq.seq_len, lp,
                     len(plan.ids), forward_s, max(0.0, started - part.item.work.enqueued_at)))
@@ -213,6 +215,13 @@ class TargetEngine(SequenceEngine[TargetSequence]):
         kv.cache_full_pages(seq.table, seq.tokens, seq.seq_len)
         self.stats.record_verify(len(call.drafts), acc.accepted)
         return acc
+
+    def _notify(self, item: Scheduled, acc: Acceptance, pub: Publication) -> None:
+        """Draft-ahead: the plane's commit subscribers hear what this Verify committed (the
+        anchor and the accepted drafts at positions start.., and the next anchor)."""
+        seq = item.seq
+        tokens = [item.verify.tokens[0]] + list(acc.tokens[:-1])
+        self.publisher.committed(seq, seq.seq_len - len(tokens), tokens, acc.tokens[-1], pub)
 
     def _compact_path(self, seq: TargetSequence, path: list[int]) -> None:
         """A tree's accepted nodes 1..a wrote their K/V at block rows `path`; the committed

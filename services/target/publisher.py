@@ -6,7 +6,8 @@ committed rows as one more. A publication is freed when a Verify says the draft 
 positions it covers (features_consumed), or when the sequence goes. A plane that is full, or one
 this target does not have (it restarted since the gateway chose it), means the features go in
 the message: never an error. A `stream` plane also reports what is written and freed to its
-feed (services/common/feature_stream.py), flushed once the rows are on the host."""
+feed (services/common/feature_stream.py), flushed once the rows are on the host; every plane's
+feed tells its commit subscribers what each Verify committed (draft-ahead)."""
 from __future__ import annotations
 
 import atexit
@@ -14,6 +15,7 @@ import logging
 
 import torch
 
+from dflash.v1 import common_pb2
 from services.common.feature_plane import PlaneInfo, PlaneWriter, Publication
 from services.common.feature_stream import StreamFeed
 from services.target.sequence import TargetSequence
@@ -32,7 +34,7 @@ def plane_transports(choice: str, device: torch.device) -> list[str]:
 class FeaturePublisher:
     def __init__(self, transports: list[str], size_bytes: int, device: torch.device) -> None:
         self.writers: dict[str, PlaneWriter] = {}
-        self.feeds: dict[str, StreamFeed] = {}          # the stream planes' subscribers
+        self.feeds: dict[str, StreamFeed] = {}          # each plane's subscribers
         for transport in transports:
             try:
                 writer = PlaneWriter(transport, size_bytes, device)
@@ -40,8 +42,7 @@ class FeaturePublisher:
                 log.warning("feature plane %s unavailable: %s", transport, e)
                 continue
             self.writers[writer.plane_id] = writer
-            if transport == "stream":
-                self.feeds[writer.plane_id] = StreamFeed(writer)
+            self.feeds[writer.plane_id] = StreamFeed(writer)
             atexit.register(writer.close)
             log.info("feature plane ready", extra={"plane": writer.plane_id,
                                                   "transport": transport, "bytes": size_bytes})
@@ -73,6 +74,16 @@ class FeaturePublisher:
         self.device_writes |= not writer.on_host
         if (feed := self.feeds.get(pub.ref.plane)) is not None:
             feed.written(pub, first_row, rows.shape[0])
+
+    def committed(self, seq: TargetSequence, start: int, token_ids: list[int], next_anchor: int,
+                  pub: Publication) -> None:
+        """A Verify committed positions start.. (tokens `token_ids`, features in `pub`): its
+        plane's commit subscribers hear of it with the answer (draft-ahead)."""
+        feed = self.feeds.get(pub.ref.plane)
+        if feed is not None and feed.commit_subscribers:
+            feed.committed(common_pb2.CommitNotice(sequence_key=seq.seq_id, start=start,
+                                                   token_ids=token_ids, next_anchor=next_anchor,
+                                                   ref=pub.ref.to_pb()))
 
     def sync(self, device: torch.device) -> None:
         """Before answering: a draft in another process reads what was written."""

@@ -130,11 +130,11 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         Counted and logged as one RPC when it ends."""
         with observed("FeatureStream", "") as outcome:
             try:
-                feed = self._feed(request.plane_id)
+                feed = self._feed(request.plane_id, request.commits)
             except ServiceError as e:
                 outcome.code = e.code
                 await context.abort(e.code, str(e))
-            messages = feed.subscribe()
+            messages = feed.subscribe(request.commits)
             try:
                 async for msg in messages:
                     yield msg
@@ -147,13 +147,15 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             finally:
                 await messages.aclose()
 
-    def _feed(self, plane_id: str) -> StreamFeed:
+    def _feed(self, plane_id: str, commits: bool) -> StreamFeed:
+        """A stream plane's feed (rows), or any plane's when only its commits are asked for."""
         _, engine = self._ready_engine()
-        feed = engine.publisher.feeds.get(plane_id)
+        feeds = {k: f for k, f in engine.publisher.feeds.items() if commits or f.carries_rows}
+        feed = feeds.get(plane_id)
         if feed is None:
-            raise NotFound(f"no stream feature plane {plane_id!r} here (this target's: "
-                           f"{sorted(engine.publisher.feeds) or 'none'}): it restarted since, or "
-                           f"offers none (--feature-plane)")
+            kind = "feature plane" if commits else "stream feature plane"
+            raise NotFound(f"no {kind} {plane_id!r} here (this target's: {sorted(feeds) or 'none'}"
+                           f"): it restarted since, or offers none (--feature-plane)")
         return feed
 
 
