@@ -74,6 +74,7 @@ class Pair:
         assert self.draft.AttachPlane(plane, timeout=30).attached
         self.names = {"plane": f"{name}-p", "twin": f"{name}-t"}
         self.state = {}
+        self.parents: dict[str, list[int]] = {}
         for kind, seq in self.names.items():
             resp = self.tc.stub.Prefill(target_pb2.PrefillRequest(
                 sequence_id=seq, token_ids=PROMPT, capture_layers=dcaps.target_layer_ids,
@@ -81,20 +82,22 @@ class Pair:
                 feature_plane=plane.plane_id if kind == "plane" else ""), timeout=60)
             self.state[kind] = (0, _chunk(resp), PROMPT, resp.next_token)
 
-    def propose(self, kind: str, block: int = BLOCK, chunk=None) -> list[int]:
+    def propose(self, kind: str, block: int = BLOCK, chunk=None, tree: int = 0) -> list[int]:
+        """The drafts (a tree's: `self.parents[kind]` holds their parents)."""
         start, own, tokens, anchor = self.state[kind]
         resp = self.draft.Propose(draft_pb2.ProposeRequest(
             sequence_id=self.names[kind], positions=list(range(start, start + len(tokens))),
             feature_chunks=[chunk or own], new_token_ids=tokens, anchor=anchor,
-            block_size=block), timeout=60)
+            block_size=block, tree_nodes=tree), timeout=60)
         self.state[kind] = (start + len(tokens), None, [], anchor)
+        self.parents[kind] = list(resp.draft_parents)
         return list(resp.draft_tokens)
 
     def verify(self, kind: str, drafts: list[int]) -> target_pb2.VerifyResponse:
         start, _, _, anchor = self.state[kind]
         v = self.tc.stub.Verify(target_pb2.VerifyRequest(
-            sequence_id=self.names[kind], token_ids=[anchor] + drafts, features_consumed=start),
-            timeout=60)
+            sequence_id=self.names[kind], token_ids=[anchor] + drafts, features_consumed=start,
+            parents=self.parents[kind]), timeout=60)
         committed = list(v.committed_tokens)
         self.state[kind] = (start, _chunk(v), [anchor] + committed[:-1], committed[-1])
         return v
@@ -134,17 +137,23 @@ def pair(services, request):
     p.close()
 
 
-def test_a_propose_that_continues_as_noticed_takes_the_drafts_drafted_ahead(pair):
-    drafts = {k: pair.propose(k) for k in ("plane", "twin")}
+@pytest.mark.parametrize("tree", [0, 20], ids=["chain", "tree"])   # 20 > depth 7: it branches
+def test_a_propose_that_continues_as_noticed_takes_the_drafts_drafted_ahead(pair, tree):
+    drafts = {k: pair.propose(k, tree=tree) for k in ("plane", "twin")}
     for step in range(5):
         assert drafts["plane"] == drafts["twin"], f"step {step}"
+        assert pair.parents["plane"] == pair.parents["twin"]
+        assert bool(pair.parents["plane"]) == bool(tree)
         before = pair.forwards()
         v = {k: pair.verify(k, drafts[k]) for k in ("plane", "twin")}
         assert v["plane"].committed_tokens == v["twin"].committed_tokens
         _until_drafted_ahead(pair, before)
         used = pair.outcome("used")
-        drafts = {k: pair.propose(k) for k in ("plane", "twin")}
+        drafts = {k: pair.propose(k, tree=tree) for k in ("plane", "twin")}
         assert pair.outcome("used") == used + 1, f"step {step}: the ahead block was not used"
+    # nothing stays queued on the draft's engine (an ahead work is done in the step that sees it)
+    assert prom.value(pair.metrics_port, "dflash_requests_waiting", service="draft") == 0
+    assert prom.value(pair.metrics_port, "dflash_requests_running", service="draft") == 0
 
 
 def test_another_size_redrafts_and_message_features_undo_the_ahead_context(pair):

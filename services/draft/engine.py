@@ -78,6 +78,7 @@ class DraftEngine(SequenceEngine[DraftSequence]):
         admitted: list[tuple[Work, ProposeItem]] = []
         for work, _ in batch:
             if work.kind == "ahead":        # runs now or never (stale behind other work)
+                work.resolve(None)          # finished: leaves the queue (nobody awaits it)
                 if work.seq_id not in seen and (item := self._ahead_item(work.payload)):
                     seen.add(work.seq_id)
                     admitted.append((work, item))
