@@ -87,8 +87,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     def _commit(self, notice: common_pb2.CommitNotice) -> None:
         """A target's commit notice (event loop): the engine drafts ahead when it applies. A
         notice this draft cannot use is dropped: the Propose brings the same, authoritatively."""
-        if self.engine is None or self.stage != "ready":
-            return
+        if self.engine is None or self.stage != "ready" \
+                or notice.sequence_key not in self.engine.seqs:    # another draft's (a hint:
+            return                                                 # the engine checks again)
         try:
             call = ahead_call(notice, self.engine.drafter.facts, self.planes)
         except ServiceError as e:
