@@ -8,7 +8,7 @@ next block before the Propose comes, and
   whose features came in the message instead undoes the ahead context ("undone") - both give
   the twin's drafts;
 - through the gateway, over shared memory and the feature stream, the output is the target's
-  own greedy output; after a kill -9 of the target mid-stream as well (the draft subscribes to
+  own greedy output (on a GPU: over CUDA IPC as well, the target in fp32); after a kill -9 of the target mid-stream as well (the draft subscribes to
   the restarted target's plane and drafts ahead again)."""
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from support import prom
 from support.draft_service import start_draft
 from support.gateway_stack import start_gateway
@@ -28,6 +29,11 @@ from dflash.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 
 pytestmark = pytest.mark.slow
 
+CUDA = torch.cuda.is_available()
+# the target in fp32 on a GPU: its output is compared token for token with its own decoding
+TARGET_FLAGS = ("--device", "cuda", "--dtype", "float32") if CUDA else ()
+DRAFT_FLAGS = ("--device", "cuda", "--dtype", "bfloat16") if CUDA else ()
+TRANSPORTS = ["shm", "stream"] + (["cuda-ipc"] if CUDA else [])   # the GPU run: CUDA IPC too
 PROMPT = list(range(5, 45))
 BLOCK = 8
 AHEAD = "dflash_draft_ahead_blocks_total"
@@ -174,11 +180,12 @@ def test_another_size_redrafts_and_message_features_undo_the_ahead_context(pair)
         assert v["plane"].committed_tokens == v["twin"].committed_tokens
 
 
-@pytest.mark.parametrize("transport", ["shm", "stream"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_the_gateway_output_is_the_targets_own_with_draft_ahead(tiny_llama_02_dir, drafter, logs,
                                                                 smollm2_dir, transport):
-    target = start_target(tiny_llama_02_dir, logs, "--feature-plane", transport)
-    draft = start_draft(tiny_llama_02_dir, logs, "--draft-ahead", "on", model_dir=drafter)
+    target = start_target(tiny_llama_02_dir, logs, *TARGET_FLAGS, "--feature-plane", transport)
+    draft = start_draft(tiny_llama_02_dir, logs, *DRAFT_FLAGS, "--draft-ahead", "on",
+                        model_dir=drafter)
     gw = start_gateway(target.address, smollm2_dir, logs, "--speculation", "fixed",
                        draft=draft.address)
     try:
