@@ -43,8 +43,9 @@ class DraftConfig:
     prefix_caching: bool = False
     prefix_cache_max_pages: int = 0    # most unreferenced cached pages kept (0: all spare pages)
     # dflash: draft the next block from the target's commit notices before the gateway's Propose
-    # comes (auto: on a CUDA device; on a 2-core CPU it would take cores from the target's verify)
-    draft_ahead: str = "auto"          # auto | on | off
+    # comes (auto: on a CUDA device; on a 2-core CPU it would take cores from the target's verify).
+    # Off by default until a GPU run shows it pays (docs/benchmarks.md, "Draft-ahead")
+    draft_ahead: str = "off"           # auto | on | off
 
     @property
     def ahead(self) -> bool:
