@@ -50,6 +50,15 @@ def tiny_llama_02_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_02_drafter(tiny_llama_02_dir, tmp_path_factory) -> Path:
+    """A DFlash drafter with random weights for tiny_llama_02 (block 8): the feature-plane and
+    draft-ahead tests, which compare drafts, not their quality."""
+    from dflash.make_draft import make_random_drafter
+    return make_random_drafter(tiny_llama_02_dir, tmp_path_factory.mktemp("tiny_llama_02_drafter"),
+                               block_size=8)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", head_dim=32,
                      tie_word_embeddings=False)

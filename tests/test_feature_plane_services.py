@@ -21,8 +21,8 @@ from support.gateway_stack import start_gateway
 from support.procs import start_target
 from support.target_client import TargetClient
 
-from dflash.make_draft import make_random_drafter
 from dflash.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
+from gateway.feed import answer_chunk
 from services.common import tensor_codec
 from services.common.feature_plane import PlaneInfo, PlaneReader, PlaneRef
 
@@ -42,16 +42,11 @@ def logs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def drafter(tiny_llama_02_dir, tmp_path_factory):
-    return make_random_drafter(tiny_llama_02_dir, tmp_path_factory.mktemp("plane_drafter"),
-                               block_size=BLOCK)
-
-
-@pytest.fixture(scope="module")
-def services(tiny_llama_02_dir, drafter, logs):
+def services(tiny_llama_02_dir, tiny_llama_02_drafter, logs):
     target = start_target(tiny_llama_02_dir, logs, *DEVICE_FLAGS, "--feature-plane", "auto")
     try:
-        draft = start_draft(tiny_llama_02_dir, logs, *DEVICE_FLAGS, model_dir=drafter)
+        draft = start_draft(tiny_llama_02_dir, logs, *DEVICE_FLAGS,
+                            model_dir=tiny_llama_02_drafter)
         yield target, draft
         draft.stop()
     finally:
@@ -89,11 +84,6 @@ def _propose(draft, seq: str, start: int, chunk: common_pb2.FeatureChunk, rows: 
         anchor=anchor, block_size=BLOCK), timeout=60)
 
 
-def _chunk(resp) -> common_pb2.FeatureChunk:
-    if resp.HasField("feature_ref"):
-        return common_pb2.FeatureChunk(ref=resp.feature_ref)
-    return common_pb2.FeatureChunk(inline=resp.features)
-
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_plane_features_equal_message_features_step_by_step(clients, transport):
@@ -111,7 +101,7 @@ def test_plane_features_equal_message_features_step_by_step(clients, transport):
         assert torch.equal(view, tensor_codec.decode(seqs["inline"].features))
     anchor = seqs["plane"].next_token
     assert anchor == seqs["inline"].next_token
-    state = {k: (0, _chunk(r), len(PROMPT)) for k, r in seqs.items()}
+    state = {k: (0, answer_chunk(r), len(PROMPT)) for k, r in seqs.items()}
     for step in range(6):
         drafts = {}
         for kind, (start, chunk, rows) in state.items():
@@ -122,7 +112,7 @@ def test_plane_features_equal_message_features_step_by_step(clients, transport):
             v = tc.stub.Verify(target_pb2.VerifyRequest(
                 sequence_id=f"{kind[0]}-{transport}", token_ids=[anchor] + drafts[kind],
                 features_consumed=start + rows), timeout=60)
-            state[kind] = (start + rows, _chunk(v), v.accepted + 1)
+            state[kind] = (start + rows, answer_chunk(v), v.accepted + 1)
             committed = list(v.committed_tokens)
         assert state["plane"][1].HasField("ref") and state["inline"][1].HasField("inline")
         anchor = committed[-1]
@@ -174,13 +164,14 @@ def _private_shm_works() -> bool:
 
 @pytest.mark.skipif(not _private_shm_works(), reason="needs unshare -m (root) for a private /dev/shm")
 @pytest.mark.parametrize("offered", ["auto", "shm"])
-def test_a_draft_that_cannot_reach_the_shared_memory(tiny_llama_02_dir, drafter, logs, smollm2_dir,
+def test_a_draft_that_cannot_reach_the_shared_memory(tiny_llama_02_dir, tiny_llama_02_drafter,
+                                                     logs, smollm2_dir,
                                                      offered):
     """A draft in its own IPC namespace (another container, or host): with the target's
     feature stream offered (auto) the features come over it; with only shared memory offered
     they travel in messages. The output is the target's either way."""
     target = start_target(tiny_llama_02_dir, logs, "--feature-plane", offered)
-    draft = start_draft(tiny_llama_02_dir, logs, *DEVICE_FLAGS, model_dir=drafter,
+    draft = start_draft(tiny_llama_02_dir, logs, *DEVICE_FLAGS, model_dir=tiny_llama_02_drafter,
                         prefix=PRIVATE_SHM)
     gw = start_gateway(target.address, smollm2_dir, logs, "--speculation", "fixed",
                        draft=draft.address)

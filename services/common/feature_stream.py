@@ -178,7 +178,8 @@ class StreamReader:
         """on_commit: also subscribe to the plane's commit notices (draft-ahead), each handed
         to it on the event loop as it arrives (after the rows it refers to)."""
         if not info.address:
-            raise PlaneUnreachable("a stream plane needs the target's address")
+            raise PlaneUnreachable("a feature stream (a stream plane's rows, any plane's commit "
+                                   "notices) needs the target's address")
         self.info = info
         self.on_broken = on_broken
         self.on_commit = on_commit

@@ -112,7 +112,7 @@ def service(args: argparse.Namespace, hooks: ServiceHooks) -> bootstrap.ModelSer
     config = config_from_args(args)
     servicer = draft_servicer.DraftServicer(config.lease_seconds, config.device,
                                             tls.client_from_args(args), args.internal_token,
-                                            ahead=config.ahead and config.drafter == "dflash")
+                                            ahead=config.ahead)
 
     async def start() -> DraftEngine:
         """Drafter (refused when incompatible: DrafterRefused), its KV cache and backend, CUDA

@@ -160,16 +160,16 @@ class DraftEngine(SequenceEngine[DraftSequence]):
         ahead = seq.ahead if seq is not None else None
         if ahead is None:
             return call
-        seq.ahead = None
-        if (call.start, call.num_new, call.source) != (ahead.start, ahead.num_new, ahead.source) \
-                or not call.source or call.token_ids and tuple(call.token_ids) != ahead.token_ids:
-            seq.context_len = ahead.start
-            del seq.tokens[ahead.start:]
+        seq.ahead, notice = None, ahead.notice
+        if (call.start, call.num_new, call.source) != (notice.start, notice.num_new, notice.source) \
+                or call.token_ids and call.token_ids != notice.token_ids:
+            seq.context_len = notice.start        # (a notice's source is never empty)
+            del seq.tokens[notice.start:]
             metrics.record_ahead("undone")
             return call
         seq.shape = (call.block_size, call.tree_nodes)
         seq.touch()
-        if (call.anchor, call.block_size, call.tree_nodes) == (ahead.anchor, ahead.block_size,
+        if (call.anchor, call.block_size, call.tree_nodes) == (notice.anchor, ahead.block_size,
                                                                ahead.tree_nodes):
             metrics.record_ahead("used")
             tree = ahead.drafts
@@ -209,9 +209,7 @@ class DraftEngine(SequenceEngine[DraftSequence]):
         for (work, item), tree in zip(admitted, drafts):
             item.seq.context_len = item.context_len
             if work.kind == "ahead":
-                call = work.payload
-                item.seq.ahead = Ahead(item.start, item.num_new, call.source, tuple(call.token_ids),
-                                       item.anchor, item.block_size, item.tree_nodes, tree, rows,
+                item.seq.ahead = Ahead(work.payload, item.block_size, item.tree_nodes, tree, rows,
                                        seconds)
                 continue
             item.seq.shape = (item.block_size, item.tree_nodes)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.draft_tree import DraftTree
 from runtime.kv_cache import PageTable
@@ -11,13 +12,9 @@ from runtime.kv_cache import PageTable
 @dataclass(frozen=True)
 class Ahead:
     """A block drafted from the target's commit notice before its Propose came (draft-ahead):
-    the context it appended - positions start..start+num_new-1, whose features are `source`
-    (the plane refs) and tokens `token_ids` - and the drafts of the block after them."""
-    start: int
-    num_new: int
-    source: tuple
-    token_ids: tuple[int, ...]
-    anchor: int
+    `notice` (the engine's ProposeCall of it: the context it appended, its features' plane refs,
+    tokens and anchor), the size it was drafted at, and its drafts."""
+    notice: Any                 # services.draft.engine.ProposeCall
     block_size: int
     tree_nodes: int
     drafts: DraftTree
