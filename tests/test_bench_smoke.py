@@ -259,6 +259,13 @@ def target_cpu(d: dict) -> None:
                                                                      "16", "64"]
 
 
+def gemm_table_ab(d: dict) -> None:
+    assert set(d["tables"]) == {"measured", "other"}
+    assert {(r["table"], r["shape"], r["q"]) for r in d["rows"]} == {
+        (t, s, q) for t in ("measured", "other") for s in ("one sequence", "batch") for q in (1, 4)}
+    positive(*(r["step_median_ms"] for r in d["rows"]))
+
+
 def kv_fp8(d: dict) -> None:
     assert d["bytes_per_token"]["fp8_e4m3"] * 2 == d["bytes_per_token"]["auto"]
     assert len(d["rows"]) == d["prompts"] == 1
@@ -325,6 +332,7 @@ BENCHES = [
     Bench("draft_cpu", draft_cpu),
     Bench("drafter_cpu", drafter_cpu),
     Bench("gateway_cpu", gateway_cpu, "## Gateway / end to end (CPU)"),
+    Bench("gemm_table_ab", gemm_table_ab),
     Bench("gpu_layer_ops", gpu_layer_ops),
     Bench("grammar_cpu", grammar_cpu),
     Bench("gpu_profile", gpu_profile, out_is_dir="gpu_profile.json"),

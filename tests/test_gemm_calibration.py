@@ -16,9 +16,12 @@ from runtime.layers.gemm_calibration import (
     DEFAULT_TABLE,
     ROWS,
     GemmTable,
+    _first_bytes,
     cache_key,
     calibrate,
     choose,
+    cold_bytes,
+    last_level_cache_bytes,
     weight_shapes,
 )
 
@@ -88,12 +91,21 @@ def test_a_failing_candidate_keeps_the_fixed_rule(caplog, tmp_path):
     assert not list(tmp_path.glob("*.json"))                       # nothing kept
 
 
+def test_a_pass_reads_twice_the_last_level_cache_and_the_first_matrices_only():
+    assert 64 << 20 <= cold_bytes() <= 1 << 30
+    assert cold_bytes() >= min(2 * last_level_cache_bytes(), 1 << 30)
+    weights = [torch.empty(256, 256), torch.empty(512, 256), torch.empty(256, 256)]  # 256/512 KiB
+    assert _first_bytes(weights, 800 << 10) == weights[:2]
+    assert _first_bytes(weights, 1) == weights[:1]                   # at least one
+
+
 @pytest.mark.skipif("auto" not in lin.CPU_GEMMS, reason="needs oneDNN")
-@pytest.mark.parametrize("name", ["weight_left", "onednn", "torch"])
+@pytest.mark.parametrize("name", ["weight_left", "onednn", "onednn_packed", "torch"])
 def test_auto_follows_the_table(name):
     w, b = torch.randn(40, 24), torch.randn(40)
     saved = lin._table[0]
     lin.set_cpu_gemm("auto")
+    lin.pack_weights([w])            # onednn_packed reads it (the others ignore it)
     try:
         lin._table[0] = GemmTable(dict.fromkeys(ROWS, name))
         for rows in (1, 3, 4, 7, 33):
@@ -105,6 +117,45 @@ def test_auto_follows_the_table(name):
     finally:
         lin._table[0] = saved
         lin.set_cpu_gemm(lin.DEFAULT_CPU_GEMM)
+        lin.unpack_weights([w])
+
+
+@pytest.mark.skipif("auto" not in lin.CPU_GEMMS, reason="needs oneDNN")
+def test_a_reordered_weight_is_not_used_once_the_weight_changed():
+    w = torch.randn(40, 24)
+    lin.pack_weights([w])
+    try:
+        x = torch.randn(4, 24)
+        assert torch.allclose(lin._onednn_packed_2d(x, w, None), F.linear(x, w), atol=1e-5)
+        with torch.no_grad():
+            w.mul_(2)                                     # in place: the kept copy is stale
+        assert lin._packed(w) is None
+        assert torch.allclose(lin._onednn_packed_2d(x, w, None), F.linear(x, w), atol=1e-5)
+        lin.pack_weights([w])                             # reordered again
+        assert lin._packed(w) is not None
+    finally:
+        lin.unpack_weights([w])
+    assert lin._packed(w) is None and lin._packed(torch.randn(3, 3)) is None
+
+
+@pytest.mark.skipif("auto" not in lin.CPU_GEMMS, reason="needs oneDNN")
+@pytest.mark.parametrize("uses_packed", [True, False])
+def test_weights_are_reordered_only_where_the_table_uses_them(tmp_path, monkeypatch, uses_packed):
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+    weights = [torch.randn(48, 32), torch.randn(32, 48)]
+    saved = lin._table[0]
+    lin.set_cpu_gemm("auto")
+    try:
+        lin.calibrate_cpu_gemm(weights)                   # measured (and kept) once
+        [kept] = (tmp_path / "cache" / "cpu_gemm").glob("*.json")
+        name = "onednn_packed" if uses_packed else "torch"
+        kept.write_text('{"choice": {"' + f'": "{name}", "'.join(map(str, ROWS)) + f'": "{name}"}}}}')
+        table = lin.calibrate_cpu_gemm(weights)           # the kept table, as a restart reads it
+        assert table.choice == dict.fromkeys(ROWS, name)
+        assert all((lin._packed(w) is not None) == uses_packed for w in weights)
+    finally:
+        lin._table[0] = saved
+        lin.unpack_weights(weights)
 
 
 @pytest.mark.slow

@@ -3,10 +3,11 @@
 Which fp32 CPU GEMM is fastest depends on the CPU: on the AMD EPYC hosts MKL's W · xᵀ wins at
 1..4 rows and oneDNN above, while on an Intel Xeon with AMX torch's own MKL path (F.linear) beat
 both by 1.7x end to end (docs/benchmarks.md). So at start-up, before the service is SERVING, each
-model process times the candidates on its own weights' shapes at the row counts it will run and
-keeps the fastest per row count: a `GemmTable` that `auto` then follows. A forward's cost at r
-rows is estimated as the sum over its distinct weight shapes of (modules of that shape) x (one
-product's median time), so the choice is by whole-forward time, not by one matrix.
+model process times the candidates on its own matrices at the row counts it will run and keeps
+the fastest per row count: a `GemmTable` that `auto` then follows. A forward's cost at r rows is
+measured as a pass of one product per matrix over the model's own weights, each read once and
+cold as in a forward, so the choice is by whole-forward time, not by one matrix hot in the
+cache.
 
 A table measured once is kept on the host (`$DFLASH_HOME/cache/cpu_gemm/`, one JSON per CPU,
 torch build, thread count and set of shapes) and reused by every later start of a model of the
@@ -19,12 +20,10 @@ import json
 import logging
 import os
 import platform
-import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,8 +35,6 @@ log = logging.getLogger("dflash.gemm")
 ROWS = (1, 2, 3, 4, 8, 16, 64)        # representative row counts (a batch of r rows: the first
                                       # entry >= r, the last beyond it)
 SMALL_ROWS = 4                        # W · xᵀ is a candidate up to here (PADDED_ROWS)
-TARGET_S = 0.006                      # time spent per measurement, about (repeats adapt)
-MAX_REPEATS = 3
 MARGIN = 0.1                          # another GEMM must beat the fixed rule's by 10 %
 
 
@@ -61,10 +58,21 @@ class GemmTable:
 DEFAULT_TABLE = GemmTable({r: "weight_left" if r <= SMALL_ROWS else "onednn" for r in ROWS})
 
 
+def cpu_matrices(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The fp32 CPU matrices among `tensors` (a model's parameters, in its order), each once."""
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if (t.dim() == 2 and t.dtype == torch.float32 and t.device.type == "cpu"
+                and id(t) not in seen):
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
 def weight_shapes(tensors: Iterable[torch.Tensor]) -> Counter:
     """[N, K] shapes of the fp32 CPU matrices among `tensors` -> how many there are."""
-    return Counter(tuple(t.shape) for t in tensors
-                   if t.dim() == 2 and t.dtype == torch.float32 and t.device.type == "cpu")
+    return Counter(tuple(t.shape) for t in cpu_matrices(tensors))
 
 
 def choose(timings: dict[tuple[int, str], float]) -> GemmTable:
@@ -80,44 +88,81 @@ def choose(timings: dict[tuple[int, str], float]) -> GemmTable:
     return GemmTable(choice)
 
 
-def _time_one(fn: Callable[[], torch.Tensor]) -> float:
-    """Median seconds of fn after one warm call (oneDNN builds its primitive there); about
-    TARGET_S of repeats, at least one."""
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs); 32 MiB where it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KM")) << (20 if text.endswith("M") else 10))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=32 << 20)
+
+
+def cold_bytes() -> int:
+    """Bytes of weights a pass reads (the model's first matrices): twice the last-level cache
+    (300 MB on one Xeon, 32 MB on the EPYCs), so each is read from memory as in a forward;
+    within [64 MiB, 1 GiB]."""
+    return min(max(2 * last_level_cache_bytes(), 64 << 20), 1 << 30)
+
+
+def _first_bytes(weights: list[torch.Tensor], limit: int) -> list[torch.Tensor]:
+    """The first matrices of `weights` whose fp32 bytes stay within limit (at least one)."""
+    used, size = [], 0
+    for w in weights:
+        if used and size + w.numel() * 4 > limit:
+            break
+        used.append(w)
+        size += w.numel() * 4
+    return used
+
+
+def _pass_seconds(gemm: Callable, inputs: dict[int, torch.Tensor],
+                  weights: list[torch.Tensor]) -> float:
+    """Seconds of one product per matrix, in order: each weight read once, cold, as a forward
+    reads it."""
     t0 = time.perf_counter()
-    fn()
-    warm = time.perf_counter() - t0
-    times = []
-    for _ in range(max(1, min(MAX_REPEATS, int(TARGET_S / max(warm, 1e-6))))):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    for w in weights:
+        gemm(inputs[w.shape[1]], w, None)
+    return time.perf_counter() - t0
 
 
-def measure(shapes: Counter, gemms: dict[str, Callable]) -> dict[tuple[int, str], float]:
-    """(rows, candidate) -> sum over shapes of count x one product's median time, on random
-    fp32 weights of those shapes (the values do not change the time)."""
-    weights = {shape: torch.randn(shape) * 0.02 for shape in shapes}
+def measure(weights: list[torch.Tensor], gemms: dict[str, Callable]
+            ) -> dict[tuple[int, str], float]:
+    """(rows, candidate) -> estimated seconds of a forward's GEMMs: one pass per candidate over
+    the model's own matrices (at most cold_bytes() of them, a quarter above 16 rows; the
+    estimate scaled to all), after a product on one matrix of each shape (oneDNN builds its
+    primitives there). Timing one small
+    matrix again and again measures it hot in the cache, which ranked the candidates wrongly on
+    a host with a 300 MB L3 (MKL's x · Wᵀ looked best at 4 rows there and cost 1.4-1.6x the
+    reordered oneDNN weight in a forward)."""
     out: dict[tuple[int, str], float] = {}
     with torch.inference_mode():
         for rows in ROWS:
-            inputs = {shape: torch.randn(rows, shape[1]) for shape in shapes}
-            for name, gemm in gemms.items():
-                if name == "weight_left" and rows > SMALL_ROWS:
-                    continue
-                out[(rows, name)] = sum(
-                    count * _time_one(partial(gemm, inputs[shape], weights[shape], None))
-                    for shape, count in shapes.items())
+            # above 16 rows a GEMM is bound by arithmetic more than by memory: a quarter of the
+            # bytes is enough there (and a pass at 64 rows is the dearest)
+            used = _first_bytes(weights, cold_bytes() // (4 if rows > 16 else 1))
+            scale = sum(w.numel() for w in weights) / sum(w.numel() for w in used)
+            inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in used}}
+            names = [n for n in gemms if n != "weight_left" or rows <= SMALL_ROWS]
+            firsts = list({tuple(w.shape): w for w in reversed(used)}.values())
+            for name in names:
+                _pass_seconds(gemms[name], inputs, firsts)
+            for name in names:
+                out[(rows, name)] = _pass_seconds(gemms[name], inputs, used) * scale
     return out
 
 
 def calibrate(tensors: Iterable[torch.Tensor], gemms: dict[str, Callable],
-              cache: Path | None = None) -> GemmTable:
+              cache: Path | None = None, prepare: Callable[[], None] | None = None) -> GemmTable:
     """The table for a model whose matrices are among `tensors`; DEFAULT_TABLE when it has no
     fp32 CPU matrix or a candidate fails (logged: the service starts with the fixed rule).
     cache: the folder of kept tables (None: cache_dir()); a table kept for this host and these
-    shapes is reused, a measured one is kept."""
-    shapes = weight_shapes(tensors)
+    shapes is reused, a measured one is kept. prepare: called before measuring (not when a kept
+    table is reused), e.g. to reorder the weights a candidate reads."""
+    weights = cpu_matrices(tensors)
+    shapes = weight_shapes(weights)
     if not shapes:
         return DEFAULT_TABLE
     file = (cache or cache_dir()) / f"{cache_key(shapes, gemms)}.json"
@@ -127,7 +172,9 @@ def calibrate(tensors: Iterable[torch.Tensor], gemms: dict[str, Callable],
         return kept
     t0 = time.perf_counter()
     try:
-        table = choose(measure(shapes, gemms))
+        if prepare is not None:
+            prepare()
+        table = choose(measure(weights, gemms))
     except Exception as e:  # noqa: BLE001 - a kernel that fails here: keep the fixed rule
         log.warning("cpu gemm calibration failed (%s: %s); using the fixed rule %s",
                     type(e).__name__, e, DEFAULT_TABLE.describe())
@@ -161,7 +208,7 @@ def cache_key(shapes: Counter, gemms: dict[str, Callable]) -> str:
     products run on, the shapes with their counts, the candidates and the row counts."""
     what = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "shapes": sorted([list(shape), n] for shape, n in shapes.items()),
-            "gemms": sorted(gemms), "rows": ROWS, "margin": MARGIN}
+            "gemms": sorted(gemms), "rows": ROWS, "margin": MARGIN, "method": "cold passes"}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
 

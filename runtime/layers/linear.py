@@ -11,10 +11,18 @@ move 8..17 GB/s, and a whole forward is bound by it (bench/results/cpu_gemm.json
     tokens then costs about what one token costs, which is what makes small verify blocks
     cheap on the CPU.
 
+On an Intel Xeon with AMX (300 MB of L3) MKL's x · Wᵀ reads cold weights at about 20 GB/s for one
+row but at half that for four (it packs W on every call), and neither oneDNN on the plain weight
+nor W · xᵀ is faster there; oneDNN on a weight **reordered once** into its blocked layout
+(`_reorder_linear_weight`) costs at 4..16 rows about what one row costs (a SmolLM2 forward's
+GEMMs at 4 rows: 32-36 ms against 51-66 with MKL, docs/benchmarks.md). The reordered copy is kept
+beside the weight (one more copy of the model's fp32 matrices) only where the start-up measurement
+chooses it.
+
 Registry of CPU GEMMs: 'auto' (the default where torch has oneDNN: per row count the fastest of
-W · xᵀ (1..4 rows), oneDNN and F.linear, measured on the host at start-up; before that, or where
-nothing was measured, W · xᵀ at 1..4 rows and oneDNN above) | 'onednn' | 'torch' (F.linear,
-MKL). Results differ only in fp32 rounding. oneDNN sees
+W · xᵀ (1..4 rows), oneDNN, oneDNN on reordered weights and F.linear, measured on the host at
+start-up; before that, or where nothing was measured, W · xᵀ at 1..4 rows and oneDNN above) |
+'onednn' | 'torch' (F.linear, MKL). Results differ only in fp32 rounding. oneDNN sees
 rows padded to a few dozen counts (onednn_rows): it keeps memory for every shape it meets.
 Only inference on the CPU in fp32 is routed: anything that needs a gradient (training), other
 dtypes and other devices always take F.linear."""
@@ -22,13 +30,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runtime import batch_invariance
-from runtime.layers.gemm_calibration import DEFAULT_TABLE, GemmTable, calibrate
+from runtime.layers.gemm_calibration import DEFAULT_TABLE, GemmTable, calibrate, cpu_matrices
 
 log = logging.getLogger("dflash.gemm")
 
@@ -75,6 +84,49 @@ def _onednn_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                               "none", [], "")[:m]
 
 
+PACK_ROWS = 16      # the batch size oneDNN reorders a weight for; the reordered weight serves
+                    # every row count (1..16 measured on a Xeon: within 25 % of one row's time)
+_PACKED = "_dflash_onednn_packed"   # attribute of a weight: (its version then, the reordered copy)
+
+
+def _version(weight: torch.Tensor) -> int:
+    """The weight's in-place version counter (an inference tensor has none: -1)."""
+    try:
+        return weight._version
+    except RuntimeError:
+        return -1
+
+
+def pack_weights(weights: Iterable[torch.Tensor]) -> None:
+    """Keeps beside each fp32 CPU matrix its oneDNN-reordered copy (once; again after an in-place
+    change of the weight)."""
+    for w in weights:
+        if _packed(w) is None:
+            setattr(w, _PACKED, (_version(w), torch.ops.mkldnn._reorder_linear_weight(
+                w.detach(), PACK_ROWS)))
+
+
+def unpack_weights(weights: Iterable[torch.Tensor]) -> None:
+    """Drops the reordered copies (their memory) that pack_weights kept."""
+    for w in weights:
+        if hasattr(w, _PACKED):
+            delattr(w, _PACKED)
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's reordered copy, if one was kept and the weight has not changed since."""
+    kept = getattr(weight, _PACKED, None)
+    return kept[1] if kept is not None and kept[0] == _version(weight) else None
+
+
+def _onednn_packed_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """_onednn_2d on the weight's reordered copy (pack_weights); on the weight itself where none
+    was kept (a matrix made after start-up)."""
+    packed = _packed(weight)
+    return _onednn_2d(x, weight if packed is None else packed, bias)
+
+
 def _weight_left_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                     ) -> torch.Tensor:
     """x [M, K] with M in PADDED_ROWS -> [M, N] contiguous, computed as W [N, K] · xᵀ."""
@@ -90,13 +142,15 @@ def _as_rows(gemm_2d: Gemm, x: torch.Tensor, rows: int, weight: torch.Tensor,
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            gemm_2d: Gemm = _onednn_2d) -> torch.Tensor:
     """x [..., K], weight [N, K] (dense), bias [N] or None -> [..., N] (no autograd): oneDNN on
-    rows padded to onednn_rows, MKL (F.linear) above ONEDNN_MAX_ROWS."""
+    rows padded to onednn_rows (gemm_2d: on the plain or the reordered weight), MKL (F.linear)
+    above ONEDNN_MAX_ROWS."""
     rows = _rows(x)
     if not 0 < rows <= ONEDNN_MAX_ROWS:
         return F.linear(x, weight, bias)
-    return _as_rows(_onednn_2d, x, rows, weight, bias)
+    return _as_rows(gemm_2d, x, rows, weight, bias)
 
 
 def _auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -109,7 +163,7 @@ def _auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
         return _as_rows(_weight_left_2d, x, rows, weight, bias)
     if name == "torch":
         return F.linear(x, weight, bias)
-    return _onednn(x, weight, bias)
+    return _onednn(x, weight, bias, _onednn_packed_2d if name == "onednn_packed" else _onednn_2d)
 
 
 CPU_GEMMS: dict[str, Gemm] = {"torch": F.linear}
@@ -128,8 +182,14 @@ def calibrate_cpu_gemm(tensors: Iterable[torch.Tensor]) -> GemmTable | None:
     per row count (runtime/layers/gemm_calibration.py). None when 'auto' is not active."""
     if _active[0] != "auto":
         return None
-    _table[0] = calibrate(tensors, {"weight_left": _weight_left_2d, "onednn": _onednn,
-                                    "torch": F.linear})
+    weights = cpu_matrices(tensors)
+    _table[0] = calibrate(weights, {"weight_left": _weight_left_2d, "onednn": _onednn,
+                                    "onednn_packed": partial(_onednn, gemm_2d=_onednn_packed_2d),
+                                    "torch": F.linear}, prepare=partial(pack_weights, weights))
+    if "onednn_packed" in _table[0].choice.values():
+        pack_weights(weights)
+    else:
+        unpack_weights(weights)
     return _table[0]
 
 
