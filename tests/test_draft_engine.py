@@ -197,3 +197,51 @@ def test_a_shorter_chain_runs_at_the_captured_block_and_is_cut(tiny_draft, tiny_
     finally:
         full.stop()
         padded.stop()
+
+
+def _ahead_count(outcome: str) -> float:
+    from prometheus_client import REGISTRY
+    return sum(s.value for m in REGISTRY.collect() if m.name == "dflash_draft_ahead_blocks"
+               for s in m.samples if s.name.endswith("_total") and s.labels["outcome"] == outcome)
+
+
+def test_draft_ahead_uses_idle_time_only(tiny_draft, tiny_qwen3_dir):
+    """A commit notice taken in the same iteration as a waiting Propose is not drafted (the
+    ahead block would lengthen that Propose's forward): outcome `skipped`; the same notice
+    reaching an idle engine is drafted ahead."""
+    engine = start_engine(tiny_draft, tiny_qwen3_dir)
+
+    def notice(call: ProposeCall) -> ProposeCall:
+        """What the target's commit of one more position after `call` tells the draft."""
+        return ProposeCall(call.seq_id, call.num_new, 1, torch.zeros(1, 64, dtype=torch.bfloat16),
+                           [7], 5, 8, source=(("plane", 1, 0, 1),))
+
+    async def scenario():
+        first, other = calls(6)[0], calls(6)[1]
+        await engine.propose(first)
+        await engine.propose(other)
+        skipped = _ahead_count("skipped")
+        gate, running = threading.Event(), threading.Event()
+        engine.loop.call(lambda: (running.set(), gate.wait(10)))      # hold the engine thread
+        await asyncio.to_thread(running.wait, 10)
+        engine.ahead(notice(first))
+        waiting = asyncio.create_task(engine.propose(ProposeCall(
+            other.seq_id, other.num_new, 1, torch.zeros(1, 64, dtype=torch.bfloat16), [], 5, 8)))
+        await asyncio.sleep(0.05)
+        gate.set()                                   # both in the engine's next iteration
+        await waiting
+        assert _ahead_count("skipped") == skipped + 1
+        assert engine.seqs[first.seq_id].ahead is None
+        assert engine.seqs[first.seq_id].context_len == first.num_new      # nothing appended
+        engine.ahead(notice(first))                  # the engine is idle now: drafted ahead
+        for _ in range(200):
+            if engine.seqs[first.seq_id].ahead is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.seqs[first.seq_id].ahead is not None
+        assert engine.seqs[first.seq_id].context_len == first.num_new + 1
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.stop()

@@ -86,7 +86,8 @@ PREFIX_CACHED_PAGES = Gauge("dflash_prefix_cache_pages", "KV pages the prefix ca
 DRAFT_AHEAD = Counter("dflash_draft_ahead_blocks", "Draft: blocks drafted ahead from the target's "
                       "commit notices, by what became of them (used: a Propose took its drafts; "
                       "reshaped: its context, drafted again at another size; undone: the Propose "
-                      "did not continue it; unused: the sequence went first)", L + ["outcome"])
+                      "did not continue it; unused: the sequence went first; skipped: not drafted, "
+                      "a Propose was waiting)", L + ["outcome"])
 HTTP_REQUESTS = Counter("dflash_http_requests", "Gateway HTTP API requests by route and status",
                         L + ["path", "status"])
 
