@@ -16,12 +16,12 @@ from runtime.layers.gemm_calibration import (
     DEFAULT_TABLE,
     ROWS,
     GemmTable,
-    _first_bytes,
     cache_key,
     calibrate,
     choose,
     cold_bytes,
     last_level_cache_bytes,
+    sample,
     weight_shapes,
 )
 
@@ -91,12 +91,16 @@ def test_a_failing_candidate_keeps_the_fixed_rule(caplog, tmp_path):
     assert not list(tmp_path.glob("*.json"))                       # nothing kept
 
 
-def test_a_pass_reads_twice_the_last_level_cache_and_the_first_matrices_only():
+def test_a_pass_reads_twice_the_last_level_cache_of_every_shape_in_proportion():
     assert 64 << 20 <= cold_bytes() <= 1 << 30
     assert cold_bytes() >= min(2 * last_level_cache_bytes(), 1 << 30)
-    weights = [torch.empty(256, 256), torch.empty(512, 256), torch.empty(256, 256)]  # 256/512 KiB
-    assert _first_bytes(weights, 800 << 10) == weights[:2]
-    assert _first_bytes(weights, 1) == weights[:1]                   # at least one
+    head = torch.empty(1024, 64)                                         # 256 KiB, first
+    layers = [torch.empty(n, 64) for _ in range(8) for n in (16, 32)]    # 4 and 8 KiB each
+    weights = [head, *layers]
+    assert sample(weights, 1 << 30) == weights                           # all: within the limit
+    half = sample(weights, 352 << 10 >> 1)                               # half the bytes
+    assert half == [head, *layers[:8]]      # the same share of each shape, in the model's order
+    assert sample(weights, 1) == [head, *layers[:2]]                     # at least one of each
 
 
 @pytest.mark.skipif("auto" not in lin.CPU_GEMMS, reason="needs oneDNN")

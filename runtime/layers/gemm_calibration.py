@@ -101,56 +101,67 @@ def last_level_cache_bytes() -> int:
 
 
 def cold_bytes() -> int:
-    """Bytes of weights a pass reads (the model's first matrices): twice the last-level cache
+    """Bytes of weights a pass reads (a sample of the model's matrices): twice the last-level cache
     (300 MB on one Xeon, 32 MB on the EPYCs), so each is read from memory as in a forward;
     within [64 MiB, 1 GiB]."""
     return min(max(2 * last_level_cache_bytes(), 64 << 20), 1 << 30)
 
 
-def _first_bytes(weights: list[torch.Tensor], limit: int) -> list[torch.Tensor]:
-    """The first matrices of `weights` whose fp32 bytes stay within limit (at least one)."""
-    used, size = [], 0
+def sample(weights: list[torch.Tensor], limit: int) -> list[torch.Tensor]:
+    """About `limit` bytes of the model's matrices, in its order: the same share of every shape
+    (at least one matrix of each), so a pass over them reads each from memory as a forward does
+    and stands for the whole forward once each shape's time is scaled by its count."""
+    total = sum(w.numel() * w.element_size() for w in weights)
+    share = min(1.0, limit / total) if total else 1.0
+    keep = {s: max(1, round(n * share)) for s, n in weight_shapes(weights).items()}
+    taken: Counter = Counter()
+    out = []
     for w in weights:
-        if used and size + w.numel() * 4 > limit:
-            break
-        used.append(w)
-        size += w.numel() * 4
-    return used
+        shape = tuple(w.shape)
+        if taken[shape] < keep[shape]:
+            taken[shape] += 1
+            out.append(w)
+    return out
 
 
-def _pass_seconds(gemm: Callable, inputs: dict[int, torch.Tensor],
-                  weights: list[torch.Tensor]) -> float:
-    """Seconds of one product per matrix, in order: each weight read once, cold, as a forward
-    reads it."""
-    t0 = time.perf_counter()
+def _pass_seconds(gemm: Callable, inputs: dict[int, torch.Tensor], weights: list[torch.Tensor],
+                  scale: dict[tuple[int, ...], float]) -> float:
+    """One product per matrix, in order (each weight read once, cold, as a forward reads it):
+    the sum of each product's seconds times its shape's scale (count in the model / in
+    `weights`)."""
+    total = 0.0
     for w in weights:
+        t0 = time.perf_counter()
         gemm(inputs[w.shape[1]], w, None)
-    return time.perf_counter() - t0
+        total += (time.perf_counter() - t0) * scale[tuple(w.shape)]
+    return total
 
 
 def measure(weights: list[torch.Tensor], gemms: dict[str, Callable]
             ) -> dict[tuple[int, str], float]:
     """(rows, candidate) -> estimated seconds of a forward's GEMMs: one pass per candidate over
-    the model's own matrices (at most cold_bytes() of them, a quarter above 16 rows; the
-    estimate scaled to all), after a product on one matrix of each shape (oneDNN builds its
-    primitives there). Timing one small
-    matrix again and again measures it hot in the cache, which ranked the candidates wrongly on
-    a host with a 300 MB L3 (MKL's x · Wᵀ looked best at 4 rows there and cost 1.4-1.6x the
-    reordered oneDNN weight in a forward)."""
+    a sample of the model's own matrices (about cold_bytes() of them, a quarter above 16 rows;
+    every shape in proportion, scaled to the whole model), after a product on one matrix of each
+    shape (oneDNN builds its primitives there). Timing one small matrix again and again
+    measures it hot in the cache, which ranked the candidates wrongly on a host with a 300 MB L3
+    (MKL's x · Wᵀ looked best at 4 rows there and cost 1.4-1.6x the reordered oneDNN weight in a
+    forward)."""
+    counts = weight_shapes(weights)
     out: dict[tuple[int, str], float] = {}
     with torch.inference_mode():
         for rows in ROWS:
             # above 16 rows a GEMM is bound by arithmetic more than by memory: a quarter of the
             # bytes is enough there (and a pass at 64 rows is the dearest)
-            used = _first_bytes(weights, cold_bytes() // (4 if rows > 16 else 1))
-            scale = sum(w.numel() for w in weights) / sum(w.numel() for w in used)
+            used = sample(weights, cold_bytes() // (4 if rows > 16 else 1))
+            used_counts = weight_shapes(used)
+            scale = {s: counts[s] / used_counts[s] for s in used_counts}
             inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in used}}
             names = [n for n in gemms if n != "weight_left" or rows <= SMALL_ROWS]
             firsts = list({tuple(w.shape): w for w in reversed(used)}.values())
             for name in names:
-                _pass_seconds(gemms[name], inputs, firsts)
+                _pass_seconds(gemms[name], inputs, firsts, dict.fromkeys(scale, 0.0))
             for name in names:
-                out[(rows, name)] = _pass_seconds(gemms[name], inputs, used) * scale
+                out[(rows, name)] = _pass_seconds(gemms[name], inputs, used, scale)
     return out
 
 
