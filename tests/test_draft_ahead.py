@@ -219,11 +219,12 @@ def test_a_target_restart_resubscribes_and_changes_nothing(tiny_llama_02_dir, lo
             p.stop()
 
 
-def test_the_flag_is_off_by_default_and_auto_means_a_cuda_draft():
+def test_the_flag_is_auto_by_default_and_auto_means_a_cuda_draft():
     from services.draft.config import DraftConfig
-    assert not DraftConfig("target").ahead
-    assert not DraftConfig("target", draft_ahead="auto").ahead           # the CPU: off
-    assert DraftConfig("target", device="cuda", draft_ahead="auto").ahead
+    assert DraftConfig("target").draft_ahead == "auto"
+    assert not DraftConfig("target").ahead                               # the CPU: off
+    assert DraftConfig("target", device="cuda").ahead
+    assert not DraftConfig("target", device="cuda", draft_ahead="off").ahead
     assert DraftConfig("target", draft_ahead="on").ahead
     with pytest.raises(ValueError, match=r"allowed \('auto', 'on', 'off'\)"):
         DraftConfig("target", draft_ahead="yes")

@@ -52,9 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags.add(p, "--lookup-tree-nodes", 0, int, "prompt lookup: most drafts in a tree of the "
               "continuations of the suffix's earlier occurrences (0 = chains only)")
     flags.add(p, "--feature-dtype", "bfloat16", str, "dtype Propose features arrive in")
-    flags.add(p, "--draft-ahead", "off", str, "dflash: draft a sequence's next block from the "
-              "target's commit notice, before the gateway's Propose comes: auto (on a CUDA "
-              "device) | on | off (the default until a GPU run shows it pays)", choices=list(DRAFT_AHEAD))
+    flags.add(p, "--draft-ahead", "auto", str, "dflash: draft a sequence's next block from the "
+              "target's commit notice, before the gateway's Propose comes, in the draft's idle "
+              "time: auto (on a CUDA device; on the CPU the ahead forward takes the target's "
+              "cores) | on | off", choices=list(DRAFT_AHEAD))
     tls.add_client_flags(p)          # the link to a target's feature stream (another host)
     args = p.parse_args(argv)
     if not args.target_model:

@@ -45,7 +45,7 @@ class DraftConfig:
     # dflash: draft the next block from the target's commit notices before the gateway's Propose
     # comes (auto: on a CUDA device; on a 2-core CPU it would take cores from the target's verify).
     # Off by default until a GPU run shows it pays (docs/benchmarks.md, "Draft-ahead")
-    draft_ahead: str = "off"           # auto | on | off
+    draft_ahead: str = "auto"          # auto (on for a CUDA draft) | on | off
 
     @property
     def ahead(self) -> bool:
