@@ -183,9 +183,11 @@ def calibrate_cpu_gemm(tensors: Iterable[torch.Tensor]) -> GemmTable | None:
     if _active[0] != "auto":
         return None
     weights = cpu_matrices(tensors)
-    _table[0] = calibrate(weights, {"weight_left": _weight_left_2d, "onednn": _onednn,
-                                    "onednn_packed": partial(_onednn, gemm_2d=_onednn_packed_2d),
-                                    "torch": F.linear}, prepare=partial(pack_weights, weights))
+    gemms = {"weight_left": _weight_left_2d, "onednn": _onednn, "torch": F.linear}
+    if hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):     # (a torch build without it:
+        gemms["onednn_packed"] = partial(_onednn, gemm_2d=_onednn_packed_2d)   # the other three)
+    _table[0] = calibrate(weights, gemms, prepare=partial(pack_weights, weights)
+                          if "onednn_packed" in gemms else None)
     if "onednn_packed" in _table[0].choice.values():
         pack_weights(weights)
     else:
