@@ -116,7 +116,6 @@ class Pair:
         self.channel.close()
 
 
-
 def _until_drafted_ahead(pair: Pair, before: float) -> None:
     """Until the draft's forward counter moved past `before` (the ahead block ran): the test
     waits for the notice instead of racing it."""

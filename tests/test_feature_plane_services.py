@@ -84,7 +84,6 @@ def _propose(draft, seq: str, start: int, chunk: common_pb2.FeatureChunk, rows: 
         anchor=anchor, block_size=BLOCK), timeout=60)
 
 
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_plane_features_equal_message_features_step_by_step(clients, transport):
     tc, draft = clients

@@ -5,8 +5,9 @@ Which fp32 CPU GEMM is fastest depends on the CPU: on the AMD EPYC hosts MKL's W
 both by 1.7x end to end (docs/benchmarks.md). So at start-up, before the service is SERVING, each
 model process times the candidates on its own matrices at the row counts it will run and keeps
 the fastest per row count: a `GemmTable` that `auto` then follows. A forward's cost at r rows is
-measured as a pass of one product per matrix over the model's own weights, each read once and
-cold as in a forward, so the choice is by whole-forward time, not by one matrix hot in the
+measured as a pass of one product per matrix over a sample of the model's own weights (every
+shape in proportion, more bytes than the last-level cache), each read once and cold as in a
+forward, so the choice is by whole-forward time, not by one matrix hot in the
 cache.
 
 A table measured once is kept on the host (`$DFLASH_HOME/cache/cpu_gemm/`, one JSON per CPU,

@@ -43,8 +43,8 @@ class DraftConfig:
     prefix_caching: bool = False
     prefix_cache_max_pages: int = 0    # most unreferenced cached pages kept (0: all spare pages)
     # dflash: draft the next block from the target's commit notices before the gateway's Propose
-    # comes (auto: on a CUDA device; on a 2-core CPU it would take cores from the target's verify).
-    # Off by default until a GPU run shows it pays (docs/benchmarks.md, "Draft-ahead")
+    # comes, in the draft's idle time (auto: on a CUDA device, where it paid 1.09-1.24x at one
+    # request; on a 2-core CPU it would take cores from the target's verify; docs/benchmarks.md)
     draft_ahead: str = "auto"          # auto (on for a CUDA draft) | on | off
 
     @property
