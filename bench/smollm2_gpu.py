@@ -31,12 +31,15 @@ def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir:
     `openai` package), greedy, prefill included; then, per concurrency level c in `levels`,
     2c requests of the same prompts with c in flight (EOS ignored: max_tokens each); then, with
     profile_seconds, py-spy on the three processes while requests run one at a time
-    (bench/host_profile.py: where the host time of a step goes)."""
+    (bench/host_profile.py: where the host time of a step goes). The one-at-a-time runs'
+    breakdown: the services' histograms over them (bench.prefix_cache.breakdown)."""
+    from bench.prefix_cache import breakdown
     runs, outputs, loaded = [], [], []
     tag = "-".join([drafter, *(str(v) for v in options.values() if v)]).replace("/", "_")
     with Services(drafter, log_dir / f"e2e-{tag}", **options) as svc:
         address = f"127.0.0.1:{svc.opts.port}"
         grpc_generate(address, ids[0], 8)                          # warm-up
+        before = svc.snapshot()
         for prompt in ids:
             t0 = time.perf_counter()
             tokens, usage = grpc_generate(address, prompt, max_tokens)
@@ -44,6 +47,7 @@ def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir:
                          "verify_steps": usage.verify_steps,
                          "mean_acceptance_length": 1 + usage.accepted_tokens / max(1, usage.draft_steps)})
             outputs.append(tokens)
+        one_at_a_time = breakdown(before, svc.snapshot())         # where a step's time went
         for c in levels:
             batch = [ids[i % len(ids)] for i in range(2 * c)]
             got: list[list[int]] = []
@@ -60,6 +64,7 @@ def grpc_stack_run(drafter: str, ids: list[list[int]], max_tokens: int, log_dir:
         profile = (profile_stack(svc, address, ids, max_tokens, profile_seconds, log_dir / tag)
                    if profile_seconds else None)
     return {"runs": runs, "output_ids": outputs, "concurrency": loaded, "features_travel": travel,
+            "breakdown": one_at_a_time,
             **({"draft_ahead": ahead} if ahead else {}),
             **({"host_profile": profile} if profile else {})}
 
@@ -147,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
                                args.profile_seconds, **options, **more)
             result["systems"][label] = r
             print(json.dumps({label: summary(r["runs"], kinds)}), flush=True)
+            print(json.dumps({label: {k: v["ms"] if isinstance(v, dict) else v
+                                      for k, v in r["breakdown"].items()}}), flush=True)
             out.write_text(json.dumps(result) + "\n")          # partial results survive a timeout
     for cache in () if args.no_transformers else ("", "static"):
         r = transformers_run(model_dir, ids, args.max_tokens, device=args.device,
