@@ -398,9 +398,10 @@ def stack_system(spec: str, log_dir: Path) -> tuple[str, StackClient]:
 
 def system_options(spec: str) -> tuple[str, str, dict]:
     """'DRAFTER[:DRAFT_DTYPE][,tree=N][,block=B][,speculation=S][,ahead=on|off][,gemm=G]
-    [,deterministic]' (e.g. dflash:float32, dflash,tree=15,block=16, dflash,tree=15,speculation=
-    fixed, dflash,ahead=off, dflash,gemm=torch (the target's --cpu-gemm), none,deterministic) ->
-    (its label, the drafter, its further StackOptions)."""
+    [,wire=W][,deterministic]' (e.g. dflash:float32, dflash,tree=15,block=16, dflash,tree=15,
+    speculation=fixed, dflash,ahead=off, dflash,gemm=torch (the target's --cpu-gemm),
+    dflash,wire=socket (`dflash up --wire`), none,deterministic) -> (its label, the drafter, its
+    further StackOptions)."""
     head, *opts = spec.split(",")
     drafter, _, dtype = head.partition(":")
     extra = dict(o.split("=", 1) if "=" in o else (o, "1") for o in opts)
@@ -411,11 +412,13 @@ def system_options(spec: str) -> tuple[str, str, dict]:
              + (f" --block-size {block}" if block else "")
              + (f" --speculation {speculation}" if speculation else "")
              + (" --deterministic" if "deterministic" in extra else "")
+             + (f" --wire {extra['wire']}" if "wire" in extra else "")
              + (f" (draft --draft-ahead {extra['ahead']})" if "ahead" in extra else "")
              + (f" (target --cpu-gemm {extra['gemm']})" if "gemm" in extra else ""))
     return label, drafter, {"draft_dtype": dtype, "spec_tree_nodes": tree, "block_size": block,
                             **({"speculation": speculation} if speculation else {}),
                             **({"deterministic": True} if "deterministic" in extra else {}),
+                            **({"wire": extra["wire"]} if "wire" in extra else {}),
                             **({"draft_args": ("--draft-ahead", extra["ahead"])}
                                if "ahead" in extra else {}),
                             **({"target_args": ("--cpu-gemm", extra["gemm"])}

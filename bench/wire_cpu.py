@@ -1,5 +1,6 @@
 """python -m bench.wire_cpu [--shared]: the per-step wire on CPU, unary RPCs against one
-long-lived bidirectional stream per upstream (the gateway's --wire unary | stream).
+long-lived bidirectional stream per upstream, and that stream on the services' unix call
+sockets (the gateway's --wire unary | stream | socket).
 
 1. Wire alone: per-call latency of a Verify-sized and a Propose-sized round trip at 1 and 8
    concurrent callers. The client is the gateway's own Upstream (gateway/upstream.py, with its
@@ -8,15 +9,16 @@ long-lived bidirectional stream per upstream (the gateway's --wire unary | strea
    that answers at once with real-sized messages of SmolLM2 + the shipped DFlash drafter
    (5 tapped layers x 576 = 2880 bf16 features per token; 2 committed tokens per step): Verify
    sends a 16-token block and gets 2 tokens + features [2, 2880]; Propose sends features
-   [2, 2880] with their positions and token ids and gets 15 draft tokens. No model runs.
+   [2, 2880] with their positions and token ids and gets 15 draft tokens. No model runs. The
+   server also serves both streams on call sockets (services/common/call_socket.py).
 2. End to end: `dflash up` (SmolLM2-135M-Instruct fp32, the shipped drafter) with each wire, one
    request at a time through the gateway's gRPC API, greedy; tokens/s and the per-step wire time
    (round trips seen by the gateway minus the services' handler times, as bench/gateway_cpu.py
    computes it). Both wires must give the same tokens.
 
-The wires alternate (unary, stream, unary, ...) over --rounds rounds and the median round is
+The wires alternate (unary, stream, socket, unary, ...) over --rounds rounds and the median round is
 reported, so a change of load on the machine hits both. Results: bench/results/wire_cpu.json and
-the "Per-step wire: unary vs stream (CPU)" section of docs/benchmarks.md. --tiny: one round of
+the "Per-step wire: unary, stream and socket (CPU)" section of docs/benchmarks.md. --tiny: one round of
 a few calls per row, and end to end one prompt of 8 tokens (a smoke test; --out and --doc
 default to a temporary folder)."""
 from __future__ import annotations
@@ -40,11 +42,12 @@ from bench.report import add_output_flags, machine, render_only, save
 from bench.tiny import add_tiny_flag, tiny_fields, tiny_outputs
 from dflash.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from services.common import tensor_codec
+from services.common.call_socket import CallSocket, SocketMethod
 from services.common.server import Readiness, build_server
 from services.common.tls import ServerTls
 
-SECTION = "## Per-step wire: unary vs stream (CPU)"
-WIRES = ("unary", "stream")
+SECTION = "## Per-step wire: unary, stream and socket (CPU)"
+WIRES = ("unary", "stream", "socket")
 LEVELS = (1, 8)
 BLOCK, COMMITTED, FEATURE_WIDTH = 16, 2, 5 * 576
 E2E_PROMPTS = ["Write a short story about a robot who learns to paint.",
@@ -87,17 +90,34 @@ def serve(port: int) -> None:
         async def propose(self, request, owner):
             return propose_reply
 
+    target, draft = Target(), Draft()
+
     def register(server: grpc.aio.Server) -> list[str]:
-        return add_target(Target(), server) + add_draft(Draft(), server)
+        return add_target(target, server) + add_draft(draft, server)
 
     async def main() -> None:
         server = build_server(port, "127.0.0.1", 256 << 20, Readiness("bench"), register,
                               tls=ServerTls())
         await server.start()
+        sockets = [CallSocket(socket_path(port, role), {method: SocketMethod(handler, request)},
+                              "", lambda method, request: None, 256 << 20)
+                   for role, method, handler, request in (
+                       ("target", "Verify", target.VerifyStream, target_pb2.VerifyStreamRequest),
+                       ("draft", "Propose", draft.ProposeStream, draft_pb2.ProposeStreamRequest))]
+        for sock in sockets:
+            await sock.start()
         print("ready", flush=True)
-        await server.wait_for_termination()
+        try:
+            await server.wait_for_termination()
+        finally:
+            for sock in sockets:
+                await sock.close()
 
     asyncio.run(main())
+
+
+def socket_path(port: int, role: str) -> str:
+    return f"{tempfile.gettempdir()}/dflash-wire-{port}-{role}.sock"
 
 
 # -- part 1: the wire alone ---------------------------------------------------------------------
@@ -108,10 +128,16 @@ def upstream(role: str, port: int, wire: str):
     from gateway.upstream import Upstream
     config = GatewayConfig(target=f"127.0.0.1:{port}", tokenizer_dir="unused", wire=wire)
     if role == "target":
-        return Upstream(role, config.target, "", target_pb2_grpc.TargetStub, config,
-                        lambda: None, {"Verify": target_pb2.VerifyStreamRequest})
-    return Upstream(role, config.target, "", draft_pb2_grpc.DraftStub, config, lambda: None,
-                    {"Propose": draft_pb2.ProposeStreamRequest})
+        up = Upstream(role, config.target, "", target_pb2_grpc.TargetStub, config,
+                      lambda: None, {"Verify": (target_pb2.VerifyStreamRequest,
+                                                target_pb2.VerifyStreamResponse)})
+        up.capabilities = target_pb2.TargetCapabilities(call_socket=socket_path(port, role))
+    else:
+        up = Upstream(role, config.target, "", draft_pb2_grpc.DraftStub, config, lambda: None,
+                      {"Propose": (draft_pb2.ProposeStreamRequest,
+                                   draft_pb2.ProposeStreamResponse)})
+        up.capabilities = draft_pb2.DraftCapabilities(call_socket=socket_path(port, role))
+    return up
 
 
 async def measure(port: int, method: str, wire: str, callers: int, calls: int,
@@ -119,6 +145,8 @@ async def measure(port: int, method: str, wire: str, callers: int, calls: int,
     """`callers` tasks sharing `calls` calls, each caller's back to back (after `warmup` calls
     each); latency per call in µs."""
     up = upstream("target" if method == "Verify" else "draft", port, wire)
+    await up.probe_socket(up.capabilities)           # as when the service turns SERVING
+    assert not up.socket_failed, up.socket_failed
     make = verify_request if method == "Verify" else propose_request
     requests = [make(f"seq-{i}") for i in range(callers)]
     latencies: list[float] = []
@@ -202,7 +230,8 @@ def end_to_end(rounds: int, max_tokens: int, log_dir: Path,
     for row in rows:
         print(json.dumps(row), flush=True)
     return {"drafter": DEFAULT_DRAFTER, "max_tokens": max_tokens, "prompts": list(texts),
-            "rounds": rounds, "rows": rows, "identical": outputs["unary"] == outputs["stream"]}
+            "rounds": rounds, "rows": rows,
+            "identical": outputs["unary"] == outputs["stream"] == outputs["socket"]}
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -235,8 +264,8 @@ def markdown(r: dict) -> str:
                        f"gRPC API, greedy, {e['max_tokens']} tokens per request, "
                        f"{len(e['prompts'])} prompts, median of {e['rounds']} rounds (by "
                        "tokens/s). *wire ms* = the Propose and Verify round "
-                       "trips minus the services' handler times, per step. Same tokens from both "
-                       f"wires: {'yes' if e['identical'] else 'NO'}."), "",
+                       "trips minus the services' handler times, per step. Same tokens from every "
+                       f"wire: {'yes' if e['identical'] else 'NO'}."), "",
                   "| wire | tokens/s | step ms | wire ms | gateway ms | steps |",
                   "|---|---|---|---|---|---|"]
         for row in e["rows"]:
@@ -256,9 +285,13 @@ def verdict(r: dict) -> str:
                      f"{by[(m, c, 'stream')]['mean_us']:.0f} µs" for m, c in pairs)
     out = (f"Mean per call, unary -> stream: {text}; the stream is faster in {faster} of "
            f"{len(pairs)}, and carries {_gain(by, 'calls_per_s')} more calls/s.")
+    if all((m, c, "socket") in by for m, c in pairs):
+        text = ", ".join(f"{m} c={c} {by[(m, c, 'stream')]['mean_us']:.0f} -> "
+                         f"{by[(m, c, 'socket')]['mean_us']:.0f} µs" for m, c in pairs)
+        out += f" Stream -> the same stream on the call socket: {text}."
     e = r.get("end_to_end")
     if e:
-        u, st = ({row["wire"]: row for row in e["rows"]}[w] for w in WIRES)
+        u, st = ({row["wire"]: row for row in e["rows"]}[w] for w in ("unary", "stream"))
         out += (f" End to end it saves {u['wire_ms'] - st['wire_ms']:.1f} ms of wire per step "
                 f"({u['tokens_per_s']:.1f} -> {st['tokens_per_s']:.1f} tokens/s): on this CPU the "
                 f"model forwards ({st['step_ms']:.0f} ms a step) dominate, so the gain is small "

@@ -10,9 +10,11 @@ import ctypes
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -140,6 +142,7 @@ class Stack:
         self.log_dir = Path(opts.log_dir or models_home() / "logs" / time.strftime("%Y%m%d-%H%M%S"))
         self.children: list[Child] = []
         self.model_dir = ""
+        self.socket_dir = ""           # --wire socket: the services' call sockets (short paths)
         token = opts.internal_token
         if token is None:
             token = os.environ.get(internal_auth.ENV) or secrets.token_urlsafe(32)
@@ -164,9 +167,11 @@ class Stack:
         draft_model = (o.draft_model or str(self._default_drafter())) if o.drafter == "dflash" else ""
         self._add("target", o.target_hooks.module("target"), "--model", self.model_dir, "--dtype", o.dtype,
                   "--port", o.target_port, "--host", o.host, "--metrics-port", o.target_metrics_port,
-                  *self._device_args(), *self._graph_args(draft_model), *o.target_args)
+                  *self._device_args(), *self._graph_args(draft_model),
+                  *self._socket_args("target"), *o.target_args)
         if o.drafter != "none":
-            self._add("draft", o.draft_hooks.module("draft"), *self._draft_args(draft_model))
+            self._add("draft", o.draft_hooks.module("draft"), *self._draft_args(draft_model),
+                      *self._socket_args("draft"))
         self._add("gateway", ["gateway"], *self.gateway_args(o.port, o.http_port))
         return self.children
 
@@ -282,6 +287,15 @@ class Stack:
         raise TimeoutError(f"the stack was not ready after {self.opts.ready_timeout_s:.0f} s: "
                            f"{reason}")
 
+    def _socket_args(self, role: str) -> list[str]:
+        """--wire socket: the service's --call-socket, in a directory of its own under /tmp (a
+        unix socket's path must stay under 108 bytes)."""
+        if self.opts.wire != "socket":
+            return []
+        if not self.socket_dir:
+            self.socket_dir = tempfile.mkdtemp(prefix="dflash-")
+        return ["--call-socket", os.path.join(self.socket_dir, f"{role}.sock")]
+
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM to every group (gateway first), then SIGKILL what is left."""
         for child in reversed(self.children):
@@ -297,6 +311,8 @@ class Stack:
                 child.proc.wait(5)
             if child.log_file:
                 child.log_file.close()
+        if self.socket_dir:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def endpoints(self) -> str:
         o = self.opts

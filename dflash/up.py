@@ -58,9 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant kernels on the target and the draft: output bitwise "
                         "equal to autoregressive decoding in bf16, at any load (CUDA, triton "
                         "backend, dense models)")
-    p.add_argument("--wire", default="", choices=("unary", "stream"),
-                   help="gateway --wire: Propose/Verify as unary RPCs or on one stream per "
-                        "upstream (default: the gateway's)")
+    p.add_argument("--wire", default="", choices=("unary", "stream", "socket"),
+                   help="gateway --wire: Propose/Verify as unary RPCs, on one stream per "
+                        "upstream, or that stream on each service's unix call socket "
+                        "(default: the gateway's)")
     p.add_argument("--max-running", type=int, default=None,
                    help="gateway --max-running: requests generating at once")
     p.add_argument("--max-waiting", type=int, default=None,

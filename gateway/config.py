@@ -12,7 +12,7 @@ from services.common.tls import ClientTls, ServerTls
 MiB = 1024 * 1024
 # How Propose and Verify travel: one unary RPC per call, or one long-lived bidirectional stream
 # per upstream carrying every call (measured: bench/wire_cpu.py, docs/benchmarks.md).
-WIRES = ("unary", "stream")
+WIRES = ("unary", "stream", "socket")
 DEFAULT_WIRE = "stream"
 LOGPROBS_MODES = ("raw", "processed")
 SPECULATION_MODES = ("auto", "fixed")   # or a number: a fixed verify block of that many tokens
@@ -157,8 +157,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flags.add(p, "--backoff-max", 5.0, float, "largest reconnect delay (s)")
     flags.add(p, "--prefill-timeout", 300.0, float, "deadline of a Prefill call (s)")
     flags.add(p, "--step-timeout", 60.0, float, "deadline of Propose and Verify calls (s)")
-    flags.add(p, "--wire", DEFAULT_WIRE, str, "Propose and Verify calls: one unary RPC each, or "
-              "all on one long-lived bidirectional stream per upstream", choices=WIRES)
+    flags.add(p, "--wire", DEFAULT_WIRE, str, "Propose and Verify calls: one unary RPC each, "
+              "all on one long-lived bidirectional stream per upstream, or that stream on the "
+              "service's unix call socket when it has one on this host (--call-socket; else "
+              "the gRPC stream)", choices=WIRES)
     flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
     flags.add(p, "--keepalive-s", 30.0, float, "keepalive ping interval to upstreams (>= 10)")
     flags.add(p, "--liveness-timeout", 3.0, float, "an upstream that leaves two health Checks in "

@@ -103,13 +103,15 @@ class GatewayState:
 
     def _target_upstream(self, address: str) -> Upstream:
         up = Upstream("target", address, TARGET_SERVICE, target_pb2_grpc.TargetStub, self.config,
-                      self._recompute, {"Verify": target_pb2.VerifyStreamRequest})
+                      self._recompute, {"Verify": (target_pb2.VerifyStreamRequest,
+                                                  target_pb2.VerifyStreamResponse)})
         up.model_name = self.metrics_model
         return up
 
     def _draft_upstream(self, address: str) -> Upstream:
         up = Upstream("draft", address, DRAFT_SERVICE, draft_pb2_grpc.DraftStub, self.config,
-                      self._recompute, {"Propose": draft_pb2.ProposeStreamRequest})
+                      self._recompute, {"Propose": (draft_pb2.ProposeStreamRequest,
+                                                   draft_pb2.ProposeStreamResponse)})
         up.model_name = self.metrics_model
         return up
 

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dflash.v1 import common_pb2
+from gateway import call_socket
 from gateway.call_stream import CallFailed, CallStream, StreamUnsupported
 from gateway.config import GatewayConfig
 from services.common import callers, internal_auth, metrics
@@ -71,11 +72,13 @@ class Upstream:
     """`serving` and `capabilities` change only on the event loop; `on_change()` is called after
     every change. `capabilities` is fetched on each transition to SERVING (a restarted service
     may be a different one) and is None until then. `streamed`: per-step methods and their
-    <M>StreamRequest type; with --wire stream their calls share one <M>Stream (CallStream)."""
+    (<M>StreamRequest, <M>StreamResponse) types; with --wire stream their calls share one
+    <M>Stream (CallStream); with --wire socket that stream goes over the service's call socket
+    when it advertises one that opens (gateway/call_socket.py), else over gRPC."""
 
     def __init__(self, role: str, address: str, service_name: str, stub_factory: Callable,
                  config: GatewayConfig, on_change: Callable[[], None],
-                 streamed: Mapping[str, type] | None = None) -> None:
+                 streamed: Mapping[str, tuple[type, type]] | None = None) -> None:
         self.role, self.address, self.service_name = role, address, service_name
         self.config = config
         self.on_change = on_change
@@ -86,9 +89,10 @@ class Upstream:
                          + callers.metadata(config.caller_key))
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.streams = {method: CallStream(f"{role} {method}Stream",
-                                           self._opener(method), request_type)
-                        for method, request_type in (streamed or {}).items()
-                        if config.wire == "stream"}
+                                           self._opener(method, response_type), request_type)
+                        for method, (request_type, response_type) in (streamed or {}).items()
+                        if config.wire in ("stream", "socket")}
+        self.socket_failed = ""                 # why its call socket is not used (--wire socket)
         self.serving = False
         self.capabilities: Any = None
         self.status = "not contacted yet"      # for readiness reasons and logs
@@ -110,10 +114,25 @@ class Upstream:
         self.placed_at_load = 0                 # `placed` when the load was reported
         self.retired = False
 
-    def _opener(self, method: str) -> Callable[[], Any]:
-        """Opens the method's call stream (with the internal token)."""
+    def _opener(self, method: str, response_type: type) -> Callable[[], Any]:
+        """Opens the method's call stream (with the internal token): on the service's call
+        socket with --wire socket while it works, else a gRPC <M>Stream."""
         open_stream = getattr(self.stub, f"{method}Stream")
-        return lambda: open_stream(metadata=self.metadata)
+
+        def open_call() -> Any:
+            path = self.capabilities.call_socket if self.capabilities is not None else ""
+            if self.config.wire == "socket" and path and not self.socket_failed:
+                return call_socket.SocketCall(path, method, self.metadata, response_type,
+                                              self.config.max_message_mib << 20,
+                                              self._socket_failed)
+            return open_stream(metadata=self.metadata)
+        return open_call
+
+    def _socket_failed(self, why: str) -> None:
+        if not self.socket_failed:
+            log.warning("%s at %s: its call socket is not usable from here (%s); its per-step "
+                        "calls go over gRPC", self.role, self.address, why)
+        self.socket_failed = why
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -299,12 +318,30 @@ class Upstream:
                                                metadata=self.metadata)
         if caps != self.capabilities:
             self.generation += 1            # a restart with the same capabilities keeps it
+        await self.probe_socket(caps)
         self.capabilities = caps
         self.serving_epoch += 1
         self._cut = ""
         log.info("%s at %s is SERVING; capabilities fetched", self.role, self.address,
                  extra={"seconds": round(time.monotonic() - t0, 3)})
         self._set(True, "SERVING")
+
+    async def probe_socket(self, caps: Any) -> None:
+        """--wire socket: the call socket the service advertises is used when it opens from
+        here and takes our calls (another host's path, another user's socket: gRPC)."""
+        self.socket_failed = ""
+        if self.config.wire != "socket" or not self.streams:
+            return
+        if not caps.call_socket:
+            self.socket_failed = "the service has no call socket (--call-socket)"
+            return
+        why = await call_socket.probe(caps.call_socket, next(iter(self.streams)), self.metadata,
+                                      self.config.capabilities_timeout_s)
+        if why:
+            self._socket_failed(why)
+        else:
+            log.info("%s at %s: per-step calls on its call socket %s", self.role, self.address,
+                     caps.call_socket)
 
     def _set(self, serving: bool, status: str) -> None:
         changed = serving != self.serving or status != self.status

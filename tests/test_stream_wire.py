@@ -94,7 +94,7 @@ def upstream(port: int, wire: str = "stream") -> Upstream:
     config = GatewayConfig(target=f"127.0.0.1:{port}", tokenizer_dir="unused", wire=wire)
     up = Upstream("target", config.target, target_servicer.SERVICE_NAME,
                   target_pb2_grpc.TargetStub, config, lambda: None,
-                  {"Verify": target_pb2.VerifyStreamRequest})
+                  {"Verify": (target_pb2.VerifyStreamRequest, target_pb2.VerifyStreamResponse)})
     up.model_name = "wire-test"
     return up
 

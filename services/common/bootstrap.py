@@ -15,14 +15,15 @@ import argparse
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import grpc
 
 from runtime import threads
 from services.common import metrics, tls
-from services.common.guard import Drain
+from services.common.call_socket import CallSocket, SocketMethod
+from services.common.guard import Drain, GuardInterceptor
 from services.common.logs import setup_logging
 from services.common.metrics_server import start_metrics
 from services.common.server import (
@@ -51,6 +52,7 @@ class Engine(Protocol):
 
 class Servicer(Protocol):
     engine: Engine | None            # attached by start-up; None: every RPC answers UNAVAILABLE
+    call_socket: str                 # advertised in its capabilities ("" = none)
 
 
 @dataclass
@@ -62,6 +64,8 @@ class ModelService:
     register: Callable[[grpc.aio.Server], list[str]]     # adds the servicer, returns its names
     refuse_while_draining: Callable[[str, Any], bool]    # (method, request) -> refuse it
     start: Callable[[], Awaitable[Engine]]               # the start-up stages, in order
+    # its <M>Stream methods by call name, served on --call-socket too (call_socket.py)
+    socket_methods: dict[str, SocketMethod] = field(default_factory=dict)
 
     def live_sequences(self) -> int:
         engine = self.servicer.engine
@@ -80,6 +84,10 @@ async def serve(args: argparse.Namespace, service: ModelService) -> int:
                           internal_token=args.internal_token)
     await server.start()
     log.info("listening (NOT_SERVING until ready)", extra={"port": args.port})
+    sock = call_socket(args, service, drain)
+    if sock is not None:
+        await sock.start()
+        service.servicer.call_socket = sock.path
     stop = asyncio.Event()
     install_stop_signals(stop)
     start_metrics(args.metrics_port, args.host)
@@ -93,8 +101,20 @@ async def serve(args: argparse.Namespace, service: ModelService) -> int:
     try:
         await serve_until_stopped(server, readiness, stop, drain)
     finally:
+        if sock is not None:
+            await sock.close()
         engine.stop()
     return 0
+
+
+def call_socket(args: argparse.Namespace, service: ModelService, drain: Drain) -> CallSocket | None:
+    """--call-socket PATH: the per-step call streams on a unix socket too, with the same token
+    and the same drain refusals as the gRPC port (none with TLS: ValueError at start-up)."""
+    if not args.call_socket:
+        return None
+    return CallSocket(args.call_socket, service.socket_methods, args.internal_token,
+                      GuardInterceptor(drain, args.internal_token).refusal,
+                      args.max_message_mib * MiB)
 
 
 async def stage(fn: Callable[..., T], *args: Any) -> T:

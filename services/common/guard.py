@@ -96,12 +96,12 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
     async def _check(self, request: Any, context: grpc.aio.ServicerContext, name: str) -> None:
         await self._authorized(context, name)
         await _decodable(request, context, name)
-        why = self._refusal(name, request)
+        why = self.refusal(name, request)
         if why is not None:
             metrics.observe_rpc(name, "UNAVAILABLE", 0.0)
             await context.abort(grpc.StatusCode.UNAVAILABLE, why)
 
-    def _refusal(self, name: str, request: Any) -> str | None:
+    def refusal(self, name: str, request: Any) -> str | None:
         """Why the drain refuses this call, or None."""
         d = self.drain
         if d is None or not d.draining or not d.refuse(name, request):
@@ -136,7 +136,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         """The stream's messages, each refused call replaced by a Refused."""
         async for message in requests:
             await _decodable(message, context, name)
-            why = None if message.cancel else self._refusal(call, message.request)
+            why = None if message.cancel else self.refusal(call, message.request)
             yield message if why is None else Refused(message, Unavailable(why))
 
 

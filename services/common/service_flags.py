@@ -7,6 +7,8 @@ import argparse
 from runtime.layers.linear import CPU_GEMMS, DEFAULT_CPU_GEMM
 from services.common import flags, internal_auth, tls
 
+UNIX_PATH_MAX = 107                  # sun_path's 108 bytes, with the terminating NUL
+
 
 def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget: str,
                             kv_help: str, token_budget: int, token_help: str,
@@ -41,6 +43,9 @@ def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget:
     flags.add(p, "--max-message-mib", 256, int, "gRPC message size limit")
     flags.add(p, "--log-level", "INFO", str, "DEBUG | INFO | WARNING")
     flags.add(p, "--drain-grace", 30.0, float, drain_help)
+    flags.add(p, "--call-socket", "", str, "also serve the per-step call stream on this unix "
+              "socket (a gateway on this host with --wire socket uses it instead of gRPC's "
+              "transport; not with TLS)")
     flags.add(p, "--no-cuda-graphs", action="store_true",
               help="run every forward eagerly (graphs are captured during warm-up on CUDA with "
                    "the triton backend only)")
@@ -51,6 +56,13 @@ def add_model_service_flags(p: argparse.ArgumentParser, *, port: int, kv_budget:
 def check_server_tls(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A bad --tls-* path or a non-PEM file is an argument error at start-up, with its reason."""
     try:
-        tls.check_readable(tls.server_from_args(args))
+        server_tls = tls.server_from_args(args)
+        tls.check_readable(server_tls)
     except tls.TlsConfigError as e:
         p.error(str(e))
+    if len(args.call_socket.encode()) > UNIX_PATH_MAX:
+        p.error(f"--call-socket {args.call_socket!r}: a unix socket's path must be at most "
+                f"{UNIX_PATH_MAX} bytes")
+    if args.call_socket and server_tls.enabled:
+        p.error("--call-socket cannot be combined with --tls-*: a unix socket carries no "
+                "certificates, and with TLS callers are told apart by theirs; drop one of them")

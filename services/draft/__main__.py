@@ -12,8 +12,10 @@ import time
 
 import torch
 
+from dflash.v1 import draft_pb2
 from runtime.config import default_model_id
 from services.common import bootstrap, flags, tls
+from services.common.call_socket import SocketMethod
 from services.common.hooks import NO_HOOKS, ServiceHooks
 from services.common.service_flags import add_model_service_flags, check_server_tls
 from services.draft import propose_calibration
@@ -142,7 +144,9 @@ def service(args: argparse.Namespace, hooks: ServiceHooks) -> bootstrap.ModelSer
         role="draft", service_name=draft_servicer.SERVICE_NAME,
         metrics_model=metrics_name(config), servicer=servicer,
         register=lambda server: draft_servicer.add_to_server(servicer, server),
-        refuse_while_draining=_starts_sequence, start=start)
+        refuse_while_draining=_starts_sequence, start=start,
+        socket_methods={"Propose": SocketMethod(servicer.ProposeStream,
+                                                draft_pb2.ProposeStreamRequest)})
 
 
 def _starts_sequence(method: str, request) -> bool:

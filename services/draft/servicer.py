@@ -32,6 +32,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         """ahead: subscribe to the attached planes' commit notices and draft ahead."""
         self.stage = "starting"
         self.engine: DraftEngine | None = None
+        self.call_socket = ""                   # --call-socket, advertised in the capabilities
         self.lease_seconds = lease_seconds
         self.planes = AttachedPlanes(torch.device(device), stream_tls, internal_token)
         if ahead:
@@ -47,9 +48,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     @rpc
     async def GetCapabilities(self, request, context) -> draft_pb2.DraftCapabilities:
         facts, _ = self._ready()
-        return capabilities(facts, self.lease_seconds, self.planes.transports,
+        caps = capabilities(facts, self.lease_seconds, self.planes.transports,
                             self.engine.drafter.prefix_caching, self.propose_cost,
                             self.engine.drafter.config.page_size)
+        caps.call_socket = self.call_socket
+        return caps
 
     @rpc
     async def AttachPlane(self, request: common_pb2.FeaturePlane, context

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from dflash.v1 import target_pb2
 from runtime import tensor_parallel
 from runtime.config import default_model_id, read_config_json
 from runtime.layers import scan_kernels
@@ -15,6 +16,7 @@ from runtime.models.dense import DenseDecoder
 from runtime.models.registry import model_class
 from runtime.sampling import SamplingConfig
 from services.common import bootstrap, flags
+from services.common.call_socket import SocketMethod
 from services.common.service_flags import add_model_service_flags, check_server_tls
 from services.target import cost_calibration
 from services.target import servicer as target_servicer
@@ -166,7 +168,9 @@ def service(args: argparse.Namespace, hooks: TargetHooks) -> bootstrap.ModelServ
         metrics_model=config.model_id or default_model_id(config.model_dir), servicer=servicer,
         register=lambda server: target_servicer.add_to_server(servicer, server),
         # draining: no new sequences (Prefill); Verify and Release go on until none is left
-        refuse_while_draining=lambda method, request: method == "Prefill", start=start)
+        refuse_while_draining=lambda method, request: method == "Prefill", start=start,
+        socket_methods={"Verify": SocketMethod(servicer.VerifyStream,
+                                               target_pb2.VerifyStreamRequest)})
 
 
 def check_tensor_parallel(config: TargetConfig) -> None:

@@ -40,6 +40,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     def __init__(self) -> None:
         self.worker: TargetWorker | None = None
         self.engine: TargetEngine | None = None
+        self.call_socket = ""            # --call-socket, advertised in the capabilities
 
     def _ready_engine(self) -> tuple[TargetWorker, TargetEngine]:
         if self.worker is None:
@@ -53,7 +54,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     @rpc
     async def GetCapabilities(self, request, context) -> target_pb2.TargetCapabilities:
         worker, engine = self._ready_engine()
-        return capabilities(worker, engine.publisher.planes())
+        caps = capabilities(worker, engine.publisher.planes())
+        caps.call_socket = self.call_socket
+        return caps
 
     @rpc
     async def Prefill(self, request: target_pb2.PrefillRequest, context) -> target_pb2.PrefillResponse:
