@@ -104,7 +104,8 @@ def serve(port: int) -> None:
                    for role, method, handler, request in (
                        ("target", "Verify", target.VerifyStream, target_pb2.VerifyStreamRequest),
                        ("draft", "Propose", draft.ProposeStream, draft_pb2.ProposeStreamRequest))]
-        for sock in sockets:
+        for sock, role in zip(sockets, ("target", "draft")):
+            sock.id = role                   # what the client expects (call_socket_id)
             await sock.start()
         print("ready", flush=True)
         try:
@@ -131,12 +132,14 @@ def upstream(role: str, port: int, wire: str):
         up = Upstream(role, config.target, "", target_pb2_grpc.TargetStub, config,
                       lambda: None, {"Verify": (target_pb2.VerifyStreamRequest,
                                                 target_pb2.VerifyStreamResponse)})
-        up.capabilities = target_pb2.TargetCapabilities(call_socket=socket_path(port, role))
+        up.capabilities = target_pb2.TargetCapabilities(call_socket=socket_path(port, role),
+                                                        call_socket_id=role)
     else:
         up = Upstream(role, config.target, "", draft_pb2_grpc.DraftStub, config, lambda: None,
                       {"Propose": (draft_pb2.ProposeStreamRequest,
                                    draft_pb2.ProposeStreamResponse)})
-        up.capabilities = draft_pb2.DraftCapabilities(call_socket=socket_path(port, role))
+        up.capabilities = draft_pb2.DraftCapabilities(call_socket=socket_path(port, role),
+                                                      call_socket_id=role)
     return up
 
 
@@ -296,8 +299,15 @@ def verdict(r: dict) -> str:
                 f"({u['tokens_per_s']:.1f} -> {st['tokens_per_s']:.1f} tokens/s): on this CPU the "
                 f"model forwards ({st['step_ms']:.0f} ms a step) dominate, so the gain is small "
                 f"here and grows where steps are short (GPU) or calls many.")
-    return out + (f" The gateway's default is `--wire {DEFAULT_WIRE}`; `--wire unary` sends one "
-                  f"RPC per call.")
+        so = {row["wire"]: row for row in e["rows"]}.get("socket")
+        if so is not None:
+            out += (f" The socket: {st['wire_ms']:.1f} -> {so['wire_ms']:.1f} ms of wire per "
+                    f"step ({st['tokens_per_s']:.1f} -> {so['tokens_per_s']:.1f} tokens/s; "
+                    f"{st['steps']} and {so['steps']} steps: with `--speculation auto` the block "
+                    f"sizes follow the measured costs, so the stacks may verify differently).")
+    return out + (f" The gateway's default is `--wire {DEFAULT_WIRE}` (the gRPC stream where a "
+                  f"service has no call socket on its host); `--wire unary` sends one RPC per "
+                  f"call.")
 
 
 def _gain(by: dict, key: str) -> str:

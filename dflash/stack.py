@@ -71,7 +71,8 @@ class StackOptions:
     # gateway --speculation: auto (sizes chosen every step from measured cost and acceptance),
     # or fixed (then the CPU_* / GPU_* defaults above apply where the options are left unset)
     speculation: str = "auto"
-    wire: str = ""                     # gateway --wire ("" = its default)
+    wire: str = ""                     # gateway --wire ("" = its default, socket: the services
+                                       # get call sockets unless it is unary or stream)
     log_dir: str = ""
     ready_timeout_s: float = 600.0
     quiet: bool = False
@@ -170,8 +171,7 @@ class Stack:
                   *self._device_args(), *self._graph_args(draft_model),
                   *self._socket_args("target"), *o.target_args)
         if o.drafter != "none":
-            self._add("draft", o.draft_hooks.module("draft"), *self._draft_args(draft_model),
-                      *self._socket_args("draft"))
+            self._add("draft", o.draft_hooks.module("draft"), *self._draft_args(draft_model))
         self._add("gateway", ["gateway"], *self.gateway_args(o.port, o.http_port))
         return self.children
 
@@ -243,7 +243,8 @@ class Stack:
                 "--host", o.host, "--metrics-port", o.draft_metrics_port]
         if draft_model:
             args += ["--model", draft_model]
-        return args + ["--dtype", self.draft_dtype(), *self._device_args(), *o.draft_args]
+        return args + ["--dtype", self.draft_dtype(), *self._device_args(),
+                       *self._socket_args("draft"), *o.draft_args]
 
     def _graph_args(self, draft_model: str) -> list[str]:
         """A DFlash drafter reads the features of its target layers at every verify: the target
@@ -288,9 +289,9 @@ class Stack:
                            f"{reason}")
 
     def _socket_args(self, role: str) -> list[str]:
-        """--wire socket: the service's --call-socket, in a directory of its own under /tmp (a
-        unix socket's path must stay under 108 bytes)."""
-        if self.opts.wire != "socket":
+        """The gateway's --wire socket (its default): the service's --call-socket, in a
+        directory of its own under /tmp (a unix socket's path must stay under 108 bytes)."""
+        if self.opts.wire not in ("", "socket"):
             return []
         if not self.socket_dir:
             self.socket_dir = tempfile.mkdtemp(prefix="dflash-")

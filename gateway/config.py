@@ -10,10 +10,11 @@ from services.common import callers, flags, internal_auth, tls
 from services.common.tls import ClientTls, ServerTls
 
 MiB = 1024 * 1024
-# How Propose and Verify travel: one unary RPC per call, or one long-lived bidirectional stream
-# per upstream carrying every call (measured: bench/wire_cpu.py, docs/benchmarks.md).
+# How Propose and Verify travel: one unary RPC per call, one long-lived bidirectional stream per
+# upstream carrying every call, or that stream on the service's unix call socket when it has one
+# that opens here (measured: bench/wire_cpu.py, bench/smollm2_gpu.py, docs/benchmarks.md).
 WIRES = ("unary", "stream", "socket")
-DEFAULT_WIRE = "stream"
+DEFAULT_WIRE = "socket"             # the gRPC stream where a service has no call socket here
 LOGPROBS_MODES = ("raw", "processed")
 SPECULATION_MODES = ("auto", "fixed")   # or a number: a fixed verify block of that many tokens
 
@@ -44,7 +45,8 @@ class GatewayConfig:
     capabilities_timeout_s: float = 10.0
     prefill_timeout_s: float = 300.0     # deadline of Prefill (long prompts on CPU)
     step_timeout_s: float = 60.0         # deadline of Propose and Verify
-    wire: str = DEFAULT_WIRE             # Propose/Verify: "unary" RPCs or one "stream" per upstream
+    wire: str = DEFAULT_WIRE             # Propose/Verify: "unary" RPCs, one "stream" per upstream,
+                                         # or that stream on its call "socket" when it has one
     release_timeout_s: float = 5.0
     max_message_mib: int = 256           # matches the services' limit
     keepalive_s: float = 30.0            # client pings; the services accept >= 10 s

@@ -120,13 +120,17 @@ class Upstream:
         open_stream = getattr(self.stub, f"{method}Stream")
 
         def open_call() -> Any:
-            path = self.capabilities.call_socket if self.capabilities is not None else ""
-            if self.config.wire == "socket" and path and not self.socket_failed:
-                return call_socket.SocketCall(path, method, self.metadata, response_type,
-                                              self.config.max_message_mib << 20,
+            if self.config.wire == "socket" and not self.socket_failed \
+                    and self.capabilities is not None and self.capabilities.call_socket:
+                return call_socket.SocketCall(self._socket(self.capabilities, method),
+                                              response_type, self.config.max_message_mib << 20,
                                               self._socket_failed)
             return open_stream(metadata=self.metadata)
         return open_call
+
+    def _socket(self, caps: Any, method: str) -> call_socket.SocketTarget:
+        return call_socket.SocketTarget(caps.call_socket, caps.call_socket_id, method,
+                                        self.metadata)
 
     def _socket_failed(self, why: str) -> None:
         if not self.socket_failed:
@@ -335,7 +339,7 @@ class Upstream:
         if not caps.call_socket:
             self.socket_failed = "the service has no call socket (--call-socket)"
             return
-        why = await call_socket.probe(caps.call_socket, next(iter(self.streams)), self.metadata,
+        why = await call_socket.probe(self._socket(caps, next(iter(self.streams))),
                                       self.config.capabilities_timeout_s)
         if why:
             self._socket_failed(why)

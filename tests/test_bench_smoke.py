@@ -297,10 +297,10 @@ def tree_acceptance(d: dict) -> None:
 
 
 def wire_cpu(d: dict) -> None:
-    assert len(d["wire_alone"]) == 8
+    assert len(d["wire_alone"]) == 12                     # 2 methods x 2 levels x 3 wires
     positive(*(r["mean_us"] for r in d["wire_alone"]), *(r["calls_per_s"] for r in d["wire_alone"]))
     e = d["end_to_end"]
-    assert e["identical"] and [r["wire"] for r in e["rows"]] == ["unary", "stream"]
+    assert e["identical"] and [r["wire"] for r in e["rows"]] == ["unary", "stream", "socket"]
     positive(*(r["tokens_per_s"] for r in e["rows"]), *(r["step_ms"] for r in e["rows"]))
 
 
@@ -357,7 +357,7 @@ BENCHES = [
     Bench("tp_cpu", tp_cpu, "## Tensor-parallel target (CPU)"),
     Bench("train_step", train_step),
     Bench("tree_acceptance", tree_acceptance),
-    Bench("wire_cpu", wire_cpu, "## Per-step wire: unary vs stream (CPU)"),
+    Bench("wire_cpu", wire_cpu, "## Per-step wire: unary, stream and socket (CPU)"),
 ]
 
 

@@ -56,15 +56,20 @@ async def socket_server(path: str, servicer: FakeTarget, token: str = "",
         await sock.close()
 
 
-async def socket_upstream(port: int, path: str, token: str = ""):
+async def socket_upstream(port: int, path: str, socket_id: str = "", token: str = ""):
     """A --wire socket upstream of the fake target: its gRPC port and its call socket, as
     _on_serving leaves it (capabilities fetched, the socket probed)."""
     up = upstream(port, "socket")
     if token:
         up.metadata = internal_auth.metadata(token)
-    await up.probe_socket(target_pb2.TargetCapabilities(call_socket=path))
-    up.capabilities = target_pb2.TargetCapabilities(call_socket=path)
+    caps = target_pb2.TargetCapabilities(call_socket=path, call_socket_id=socket_id)
+    await up.probe_socket(caps)
+    up.capabilities = caps
     return up
+
+
+def at(path: str, socket_id: str, method: str = "Verify", metadata=()) -> client_socket.SocketTarget:
+    return client_socket.SocketTarget(path, socket_id, method, metadata)
 
 
 def test_calls_on_the_socket_answer_as_on_the_stream(tmp_path):
@@ -73,8 +78,8 @@ def test_calls_on_the_socket_answer_as_on_the_stream(tmp_path):
     async def main():
         port, path = free_port(), str(tmp_path / "t.sock")
         async with fake_server(port, FakeTarget(slow_s=5.0)) as fake, \
-                socket_server(path, fake):
-            up = await socket_upstream(port, path)
+                socket_server(path, fake) as sock:
+            up = await socket_upstream(port, path, sock.id)
             assert up.socket_failed == ""
             got = await asyncio.gather(outcome(up, "ok"), outcome(up, "gone"),
                                        outcome(up, "bug"), outcome(up, "slow", timeout=0.3))
@@ -97,8 +102,8 @@ def test_draining_refuses_new_work_per_call_on_the_socket(tmp_path):
     async def main():
         port, path = free_port(), str(tmp_path / "t.sock")
         drain = Drain(grace_s=5.0, refuse=lambda method, request: request.sequence_id == "new")
-        async with fake_server(port) as fake, socket_server(path, fake, drain=drain):
-            up = await socket_upstream(port, path)
+        async with fake_server(port) as fake, socket_server(path, fake, drain=drain) as sock:
+            up = await socket_upstream(port, path, sock.id)
             drain.draining = True
             assert await asyncio.gather(outcome(up, "new"), outcome(up, "ok")) == \
                 [UNAVAILABLE, OK_TOKENS]
@@ -111,17 +116,17 @@ def test_the_internal_token_is_checked_and_a_refused_socket_means_grpc(tmp_path)
     the gRPC stream instead; with the token they go over the socket."""
     async def main():
         port, path = free_port(), str(tmp_path / "t.sock")
-        async with fake_server(port) as fake, socket_server(path, fake, token="secret"):
-            why = await client_socket.probe(path, "Verify", (), 5.0)
+        async with fake_server(port) as fake, socket_server(path, fake, token="secret") as sock:
+            why = await client_socket.probe(at(path, sock.id), 5.0)
             assert why.startswith("UNAUTHENTICATED") and internal_auth.HEADER in why
-            up = await socket_upstream(port, path)            # no token: refused, so gRPC
+            up = await socket_upstream(port, path, sock.id)   # no token: refused, so gRPC
             assert up.socket_failed.startswith("UNAUTHENTICATED")
             assert await outcome(up, "ok") == OK_TOKENS       # (the fake's port has no token)
             await up.close()
-            assert await client_socket.probe(path, "Verify", internal_auth.metadata("secret"),
-                                             5.0) == ""
-            assert (await client_socket.probe(path, "Prefill", (), 5.0)).startswith(
-                "UNIMPLEMENTED")
+            secret = internal_auth.metadata("secret")
+            assert await client_socket.probe(at(path, sock.id, metadata=secret), 5.0) == ""
+            assert (await client_socket.probe(at(path, sock.id, "Prefill", secret), 5.0)
+                    ).startswith("UNIMPLEMENTED")
     asyncio.run(main())
 
 
@@ -129,8 +134,21 @@ def test_a_socket_that_does_not_open_means_grpc(tmp_path):
     async def main():
         port = free_port()
         async with fake_server(port):
-            up = await socket_upstream(port, str(tmp_path / "nobody.sock"))
-            assert "FileNotFoundError" in up.socket_failed or "ConnectionRefused" in up.socket_failed
+            up = await socket_upstream(port, str(tmp_path / "nobody.sock"), "x")
+            assert "FileNotFoundError" in up.socket_failed
+            assert await outcome(up, "ok") == OK_TOKENS
+            await up.close()
+    asyncio.run(main())
+
+
+def test_a_socket_of_another_process_is_not_used(tmp_path):
+    """The advertised path opens here but answers another id (the same path of a service on
+    another host, say): the calls go over the service's own gRPC port, never to that socket."""
+    async def main():
+        port, path = free_port(), str(tmp_path / "t.sock")
+        async with fake_server(port), socket_server(path, FakeTarget()) as other:
+            up = await socket_upstream(port, path, "the-service-s-own-id")
+            assert "answers as another process" in up.socket_failed and other.id in up.socket_failed
             assert await outcome(up, "ok") == OK_TOKENS
             await up.close()
     asyncio.run(main())
@@ -141,16 +159,16 @@ def test_an_undecodable_frame_ends_the_connection(tmp_path):
     UNAVAILABLE, as on a broken stream); the socket keeps serving new connections."""
     async def main():
         path = str(tmp_path / "t.sock")
-        async with socket_server(path, FakeTarget()):
+        async with socket_server(path, FakeTarget()) as sock:
             reader, writer = await asyncio.open_unix_connection(path)
             hello = json.dumps({"method": "Verify", "metadata": []}).encode()
             writer.write(struct.pack("<I", len(hello)) + hello)
             answer = await reader.readexactly(struct.unpack("<I", await reader.readexactly(4))[0])
-            assert json.loads(answer) == {"code": 0}
+            assert json.loads(answer) == {"code": 0, "id": sock.id}
             writer.write(struct.pack("<I", 3) + b"\xff\xff\xff")
             assert await reader.read() == b""                # closed by the server
             writer.close()
-            assert await client_socket.probe(path, "Verify", (), 5.0) == ""
+            assert await client_socket.probe(at(path, sock.id), 5.0) == ""
     asyncio.run(main())
 
 

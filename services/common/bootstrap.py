@@ -52,7 +52,8 @@ class Engine(Protocol):
 
 class Servicer(Protocol):
     engine: Engine | None            # attached by start-up; None: every RPC answers UNAVAILABLE
-    call_socket: str                 # advertised in its capabilities ("" = none)
+    call_socket: str                 # advertised in its capabilities ("" = none) ...
+    call_socket_id: str              # ... with the id its hello answers
 
 
 @dataclass
@@ -87,7 +88,7 @@ async def serve(args: argparse.Namespace, service: ModelService) -> int:
     sock = call_socket(args, service, drain)
     if sock is not None:
         await sock.start()
-        service.servicer.call_socket = sock.path
+        service.servicer.call_socket, service.servicer.call_socket_id = sock.path, sock.id
     stop = asyncio.Event()
     install_stop_signals(stop)
     start_metrics(args.metrics_port, args.host)

@@ -9,8 +9,10 @@ Protocol, per connection (every frame: a little-endian uint32 length, then that 
     client -> hello     JSON {"method": "Verify", "metadata": [[key, value], ...]}: the stream's
                         method and what a gRPC call would carry (the internal token, the
                         caller key)
-    server -> answer    JSON {"code": 0} (then the calls), or {"code": N, "message": ...} (a
-                        gRPC status code: UNAUTHENTICATED, UNIMPLEMENTED) and the connection ends
+    server -> answer    JSON {"code": 0, "id": ...} (then the calls; id: this process's random
+                        id, which its capabilities give as call_socket_id), or {"code": N,
+                        "message": ...} (a gRPC status code: UNAUTHENTICATED, UNIMPLEMENTED)
+                        and the connection ends
     client -> calls     <M>StreamRequest messages; server -> <M>StreamResponse messages
 
 A frame that is not a valid <M>StreamRequest (or longer than --max-message-mib) ends the
@@ -25,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import struct
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -90,6 +93,7 @@ class CallSocket:
         call, or None (GuardInterceptor.refusal)."""
         self.path, self.methods, self.token = path, methods, token
         self.refusal, self.max_bytes = refusal, max_bytes
+        self.id = secrets.token_hex(8)         # answered in every hello (call_socket_id)
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task] = set()
 
@@ -153,7 +157,7 @@ class CallSocket:
             return await self._refuse(writer, grpc.StatusCode.UNAUTHENTICATED,
                                       f"{name} needs this service's internal token (metadata "
                                       f"{internal_auth.HEADER})")
-        writer.write(frame(json.dumps({"code": 0}).encode()))
+        writer.write(frame(json.dumps({"code": 0, "id": self.id}).encode()))
         return name, metadata
 
     async def _refuse(self, writer: asyncio.StreamWriter, code: grpc.StatusCode,

@@ -32,7 +32,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         """ahead: subscribe to the attached planes' commit notices and draft ahead."""
         self.stage = "starting"
         self.engine: DraftEngine | None = None
-        self.call_socket = ""                   # --call-socket, advertised in the capabilities
+        self.call_socket = self.call_socket_id = ""   # --call-socket, in the capabilities
         self.lease_seconds = lease_seconds
         self.planes = AttachedPlanes(torch.device(device), stream_tls, internal_token)
         if ahead:
@@ -51,7 +51,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         caps = capabilities(facts, self.lease_seconds, self.planes.transports,
                             self.engine.drafter.prefix_caching, self.propose_cost,
                             self.engine.drafter.config.page_size)
-        caps.call_socket = self.call_socket
+        caps.call_socket, caps.call_socket_id = self.call_socket, self.call_socket_id
         return caps
 
     @rpc

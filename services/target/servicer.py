@@ -40,7 +40,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     def __init__(self) -> None:
         self.worker: TargetWorker | None = None
         self.engine: TargetEngine | None = None
-        self.call_socket = ""            # --call-socket, advertised in the capabilities
+        self.call_socket = self.call_socket_id = ""  # --call-socket, in the capabilities
 
     def _ready_engine(self) -> tuple[TargetWorker, TargetEngine]:
         if self.worker is None:
@@ -55,7 +55,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     async def GetCapabilities(self, request, context) -> target_pb2.TargetCapabilities:
         worker, engine = self._ready_engine()
         caps = capabilities(worker, engine.publisher.planes())
-        caps.call_socket = self.call_socket
+        caps.call_socket, caps.call_socket_id = self.call_socket, self.call_socket_id
         return caps
 
     @rpc
