@@ -154,7 +154,10 @@ class Stack:
         return f"http://{self.opts.host}:{self.opts.http_port}"
 
     def start(self) -> None:
-        for child in self.plan():
+        children = self.plan()
+        if self.socket_dir:
+            os.makedirs(self.socket_dir, mode=0o700, exist_ok=True)
+        for child in children:
             child.start()
 
     def plan(self) -> list[Child]:
@@ -290,11 +293,14 @@ class Stack:
 
     def _socket_args(self, role: str) -> list[str]:
         """The gateway's --wire socket (its default): the service's --call-socket, in a
-        directory of its own under /tmp (a unix socket's path must stay under 108 bytes)."""
-        if self.opts.wire not in ("", "socket"):
+        directory of its own under /tmp (a unix socket's path must stay under 108 bytes). None
+        for a service given TLS flags (the two do not combine: its calls stay on gRPC)."""
+        extra = self.opts.target_args if role == "target" else self.opts.draft_args
+        if self.opts.wire not in ("", "socket") or any(a.startswith("--tls-") for a in extra):
             return []
-        if not self.socket_dir:
-            self.socket_dir = tempfile.mkdtemp(prefix="dflash-")
+        if not self.socket_dir:             # made by start() (plan() alone leaves nothing)
+            self.socket_dir = os.path.join(tempfile.gettempdir(),
+                                           f"dflash-{secrets.token_hex(6)}")
         return ["--call-socket", os.path.join(self.socket_dir, f"{role}.sock")]
 
     def stop(self, timeout: float = 15.0) -> None:

@@ -336,3 +336,26 @@ def test_draft_dtype_defaults_to_auto_for_dflash_on_the_cpu(tmp_path):
     assert dtypes(dtype="bfloat16", device="cuda", attention_backend="triton") == \
         ("bfloat16", "bfloat16")
     assert dtypes(drafter="prompt-lookup") == ("float32", "float32")
+
+
+def test_the_services_get_call_sockets_unless_the_wire_is_grpc(tmp_path):
+    """The gateway's default wire is the call socket: dflash up gives the target and the draft
+    one each (short paths under /tmp, removed at stop), none with --wire unary or stream, and
+    none to a service given TLS flags (they do not combine)."""
+    from dflash.prepare.smollm2 import prepare_smollm2
+    from dflash.stack import Stack, StackOptions
+    model = str(prepare_smollm2(["float32"], progress=False)["float32"])
+
+    def sockets(**options) -> dict[str, str]:
+        stack = Stack(StackOptions(model_dir=model, log_dir=str(tmp_path), **options))
+        argv = {c.name: c.argv for c in stack.plan()}
+        stack.stop()
+        return {name: a[a.index("--call-socket") + 1] for name, a in argv.items()
+                if "--call-socket" in a}
+
+    paths = sockets()
+    assert sorted(paths) == ["draft", "target"]
+    assert all(len(p) < 108 and p.startswith("/tmp/") for p in paths.values())
+    assert sockets(wire="socket").keys() == paths.keys()
+    assert sockets(wire="stream") == sockets(wire="unary") == {}
+    assert sorted(sockets(target_args=("--tls-cert", "c.pem", "--tls-key", "k.pem"))) == ["draft"]
