@@ -63,7 +63,7 @@ SHAPES = {"qwen3-8b": (QWEN3_8B, [1, 9, 17, 25, 33], None),
           "qwen3.5-9b": (QWEN3_5_9B, [1, 8, 15, 22, 29], QWEN3_5_DRAFT)}
 TAUS = (6.4, 3.0)
 LEVELS = (1, 8, 32)
-WIRES = ("unary", "stream")
+WIRES = ("unary", "stream")                   # by default; --wires socket also runs
 TTFT_PROMPT = 1000
 TINY_SKIPPED = {"cuda_graphs": NO_CUDA + ": the target and the draft run eagerly, and the draft "
                                "graph check compares the eager path with itself",
@@ -507,7 +507,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="prompt lengths whose time to first token is measured")
     ap.add_argument("--levels", nargs="+", type=int, default=list(LEVELS),
                     help="concurrency levels, in the order they run")
-    ap.add_argument("--wires", nargs="+", default=list(WIRES), choices=WIRES)
+    ap.add_argument("--wires", nargs="+", default=list(WIRES), choices=(*WIRES, "socket"),
+                    help="the gateways' --wire, one gateway each on the same services (the "
+                         "first also serves the autoregressive rows); socket: the services' "
+                         "call sockets (dflash up gives them one)")
     ap.add_argument("--taus", nargs="+", type=float, default=list(TAUS))
     ap.add_argument("--feature-planes", nargs="+", default=["auto"],
                     choices=["auto", "cuda-ipc", "shm", "stream", "off"],
