@@ -305,9 +305,8 @@ def verdict(r: dict) -> str:
                     f"step ({st['tokens_per_s']:.1f} -> {so['tokens_per_s']:.1f} tokens/s; "
                     f"{st['steps']} and {so['steps']} steps: with `--speculation auto` the block "
                     f"sizes follow the measured costs, so the stacks may verify differently).")
-    return out + (f" The gateway's default is `--wire {DEFAULT_WIRE}` (the gRPC stream where a "
-                  f"service has no call socket on its host); `--wire unary` sends one RPC per "
-                  f"call.")
+    return out + (f" The gateway's default is `--wire {DEFAULT_WIRE}`; `--wire socket` uses the "
+                  f"services' call sockets, `--wire unary` sends one RPC per call.")
 
 
 def _gain(by: dict, key: str) -> str:

@@ -71,8 +71,8 @@ class StackOptions:
     # gateway --speculation: auto (sizes chosen every step from measured cost and acceptance),
     # or fixed (then the CPU_* / GPU_* defaults above apply where the options are left unset)
     speculation: str = "auto"
-    wire: str = ""                     # gateway --wire ("" = its default, socket: the services
-                                       # get call sockets unless it is unary or stream)
+    wire: str = ""                     # gateway --wire ("" = its default; socket: the services
+                                       # get call sockets too)
     log_dir: str = ""
     ready_timeout_s: float = 600.0
     quiet: bool = False
@@ -292,11 +292,11 @@ class Stack:
                            f"{reason}")
 
     def _socket_args(self, role: str) -> list[str]:
-        """The gateway's --wire socket (its default): the service's --call-socket, in a
-        directory of its own under /tmp (a unix socket's path must stay under 108 bytes). None
-        for a service given TLS flags (the two do not combine: its calls stay on gRPC)."""
+        """--wire socket: the service's --call-socket, in a directory of its own under /tmp (a
+        unix socket's path must stay under 108 bytes). None for a service given TLS flags (the
+        two do not combine: its calls stay on gRPC)."""
         extra = self.opts.target_args if role == "target" else self.opts.draft_args
-        if self.opts.wire not in ("", "socket") or any(a.startswith("--tls-") for a in extra):
+        if self.opts.wire != "socket" or any(a.startswith("--tls-") for a in extra):
             return []
         if not self.socket_dir:             # made by start() (plan() alone leaves nothing)
             self.socket_dir = os.path.join(tempfile.gettempdir(),

@@ -14,7 +14,7 @@ MiB = 1024 * 1024
 # upstream carrying every call, or that stream on the service's unix call socket when it has one
 # that opens here (measured: bench/wire_cpu.py, bench/smollm2_gpu.py, docs/benchmarks.md).
 WIRES = ("unary", "stream", "socket")
-DEFAULT_WIRE = "socket"             # the gRPC stream where a service has no call socket here
+DEFAULT_WIRE = "stream"
 LOGPROBS_MODES = ("raw", "processed")
 SPECULATION_MODES = ("auto", "fixed")   # or a number: a fixed verify block of that many tokens
 

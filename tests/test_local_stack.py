@@ -338,10 +338,10 @@ def test_draft_dtype_defaults_to_auto_for_dflash_on_the_cpu(tmp_path):
     assert dtypes(drafter="prompt-lookup") == ("float32", "float32")
 
 
-def test_the_services_get_call_sockets_unless_the_wire_is_grpc(tmp_path):
-    """The gateway's default wire is the call socket: dflash up gives the target and the draft
-    one each (short paths under /tmp, removed at stop), none with --wire unary or stream, and
-    none to a service given TLS flags (they do not combine)."""
+def test_the_services_get_call_sockets_with_the_socket_wire(tmp_path):
+    """dflash up --wire socket gives the target and the draft a call socket each (short paths
+    under /tmp, removed at stop); none with the default wire, unary or stream, and none to a
+    service given TLS flags (they do not combine)."""
     from dflash.prepare.smollm2 import prepare_smollm2
     from dflash.stack import Stack, StackOptions
     model = str(prepare_smollm2(["float32"], progress=False)["float32"])
@@ -353,9 +353,9 @@ def test_the_services_get_call_sockets_unless_the_wire_is_grpc(tmp_path):
         return {name: a[a.index("--call-socket") + 1] for name, a in argv.items()
                 if "--call-socket" in a}
 
-    paths = sockets()
+    paths = sockets(wire="socket")
     assert sorted(paths) == ["draft", "target"]
     assert all(len(p) < 108 and p.startswith("/tmp/") for p in paths.values())
-    assert sockets(wire="socket").keys() == paths.keys()
-    assert sockets(wire="stream") == sockets(wire="unary") == {}
-    assert sorted(sockets(target_args=("--tls-cert", "c.pem", "--tls-key", "k.pem"))) == ["draft"]
+    assert sockets() == sockets(wire="stream") == sockets(wire="unary") == {}
+    assert sorted(sockets(wire="socket", target_args=("--tls-cert", "c.pem", "--tls-key",
+                                                      "k.pem"))) == ["draft"]
