@@ -100,7 +100,7 @@ def serve(port: int) -> None:
                               tls=ServerTls())
         await server.start()
         sockets = [CallSocket(socket_path(port, role), {method: SocketMethod(handler, request)},
-                              "", lambda method, request: None, 256 << 20)
+                              "", None, 256 << 20)
                    for role, method, handler, request in (
                        ("target", "Verify", target.VerifyStream, target_pb2.VerifyStreamRequest),
                        ("draft", "Propose", draft.ProposeStream, draft_pb2.ProposeStreamRequest))]

@@ -320,7 +320,7 @@ class Upstream:
         caps = await self.stub.GetCapabilities(common_pb2.GetCapabilitiesRequest(),
                                                timeout=self.config.capabilities_timeout_s,
                                                metadata=self.metadata)
-        if caps != self.capabilities:
+        if _service(caps) != _service(self.capabilities):
             self.generation += 1            # a restart with the same capabilities keeps it
         await self.probe_socket(caps)
         self.capabilities = caps
@@ -354,6 +354,17 @@ class Upstream:
             if not serving:
                 log.info("%s at %s not serving: %s", self.role, self.address, status)
             self.on_change()
+
+
+def _service(caps: Any) -> Any:
+    """Capabilities as what the service is: without call_socket_id, which every process of it
+    draws anew (a restart of the same service keeps its generation)."""
+    if caps is None or not caps.call_socket_id:
+        return caps
+    out = type(caps)()
+    out.CopyFrom(caps)
+    out.ClearField("call_socket_id")
+    return out
 
 
 def _describe(e: grpc.aio.AioRpcError) -> str:

@@ -24,11 +24,9 @@ from test_stream_wire import (
     CHATS,
     FakeTarget,
     N,
-    again,
     fake_server,
-    generate_killing,
-    kill,
     outcome,
+    restart_target_mid_request,
     upstream,
 )
 
@@ -37,7 +35,7 @@ from dflash.v1 import target_pb2
 from gateway import call_socket as client_socket
 from services.common import internal_auth
 from services.common.call_socket import CallSocket, SocketMethod
-from services.common.guard import Drain, GuardInterceptor
+from services.common.guard import Drain
 
 OK_TOKENS = [2, 2]                      # outcome() of sequence "ok": (len("ok"), 2)
 UNAVAILABLE, NOT_FOUND = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND
@@ -48,7 +46,7 @@ async def socket_server(path: str, servicer: FakeTarget, token: str = "",
                         drain: Drain | None = None) -> AsyncIterator[CallSocket]:
     sock = CallSocket(path, {"Verify": SocketMethod(servicer.VerifyStream,
                                                     target_pb2.VerifyStreamRequest)},
-                      token, GuardInterceptor(drain, token).refusal, 1 << 20)
+                      token, drain, 1 << 20)
     await sock.start()
     try:
         yield sock
@@ -154,6 +152,32 @@ def test_a_socket_of_another_process_is_not_used(tmp_path):
     asyncio.run(main())
 
 
+def test_a_restart_that_draws_a_new_socket_id_keeps_the_generation(tmp_path):
+    """call_socket_id is per process: a service restarted as it was keeps its capabilities
+    generation (the draft contexts it counts are not rebuilt for it); another model does not."""
+    answers = iter([("m", "id-1"), ("m", "id-2"), ("other", "id-3")])
+
+    class Restarting(FakeTarget):
+        async def GetCapabilities(self, request, context):
+            model, socket_id = next(answers)
+            return target_pb2.TargetCapabilities(model_id=model, call_socket=str(tmp_path / "x"),
+                                                 call_socket_id=socket_id)
+
+    async def main():
+        port = free_port()
+        async with fake_server(port, Restarting()):
+            up = upstream(port, "socket")
+            generations = []
+            for _ in range(3):
+                up.serving = False                 # as after the service went away
+                await up._on_serving()
+                generations.append(up.generation)
+            assert up.capabilities.call_socket_id == "id-3"
+            assert generations == [1, 1, 2]
+            await up.close()
+    asyncio.run(main())
+
+
 def test_an_undecodable_frame_ends_the_connection(tmp_path):
     """No call_id to answer: the connection ends (the client's calls in flight would fail
     UNAVAILABLE, as on a broken stream); the socket keeps serving new connections."""
@@ -239,17 +263,6 @@ def test_target_restarted_mid_request_on_the_socket(smollm2_dir, services, logs,
     """The target dies under the open socket connection (last in this file): the call fails
     UNAVAILABLE, the gateway waits for the target, prefills the committed tokens again and goes
     on over a new connection to the restarted target's socket; nothing lost or repeated."""
-    target = services["target"]
-    gw = start_gateway(target.address, smollm2_dir, logs, "--wire", "socket")
-    restarted: list[ServiceProcess] = []
-    try:
-        tokens = generate_killing(gw, prompts[0], N, 3,
-                                  lambda: restarted.append(again(kill(target), logs)))
-        assert tokens == smollm2_reference(prompts[0], N)
-        log = gw.log()
-        assert "target lost the sequence (UNAVAILABLE)" in log
-        assert "target VerifyStream opened (stream 2)" in log
-        assert log.count("per-step calls on its call socket") == 2    # before and after
-    finally:
-        for p in (gw, *restarted):
-            p.stop()
+    log = restart_target_mid_request(smollm2_dir, services["target"], logs, prompts[0],
+                                     smollm2_reference(prompts[0], N), "socket")
+    assert log.count("per-step calls on its call socket") == 2        # before and after

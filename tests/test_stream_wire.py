@@ -450,23 +450,33 @@ def test_draft_killed_mid_request_on_the_stream(smollm2_dir, target, logs, promp
                 p.stop()
 
 
+def restart_target_mid_request(smollm2_dir, target: ServiceProcess, logs, ids: list[int],
+                               reference: list[int], wire: str) -> str:
+    """Kills `target` after the third answer of a request through a gateway on `wire` and
+    starts it again on the same port: the output must equal `reference`, the call in flight
+    fail UNAVAILABLE and the gateway open a second VerifyStream. Returns the gateway's log."""
+    gw = start_gateway(target.address, smollm2_dir, logs, "--wire", wire)
+    restarted: list[ServiceProcess] = []
+    try:
+        tokens = generate_killing(gw, ids, N, 3,
+                                  lambda: restarted.append(again(kill(target), logs)))
+        assert tokens == reference
+        log = gw.log()
+        assert "target lost the sequence (UNAVAILABLE)" in log
+        assert "target VerifyStream opened (stream 2)" in log
+        return log
+    finally:
+        for p in (gw, *restarted):
+            p.stop()
+
+
 def test_target_restarted_mid_request_on_the_stream(smollm2_dir, target, logs, prompts,
                                                     smollm2_reference):
     """The target dies under the open VerifyStream (last in this file: it kills the module's
     target): the call fails UNAVAILABLE, the gateway waits for the target, prefills the committed
     tokens again and goes on over a new stream; nothing is lost or repeated."""
-    gw = start_gateway(target.address, smollm2_dir, logs, "--wire", "stream")
-    restarted: list[ServiceProcess] = []
-    try:
-        tokens = generate_killing(gw, prompts[0], N, 3,
-                                  lambda: restarted.append(again(kill(target), logs)))
-        assert tokens == smollm2_reference(prompts[0], N)
-        log = gw.log()
-        assert "target lost the sequence (UNAVAILABLE)" in log
-        assert "target VerifyStream opened (stream 2)" in log
-    finally:
-        for p in (gw, *restarted):
-            p.stop()
+    restart_target_mid_request(smollm2_dir, target, logs, prompts[0],
+                               smollm2_reference(prompts[0], N), "stream")
 
 
 def _untimed(resp: target_pb2.VerifyResponse) -> target_pb2.VerifyResponse:

@@ -23,7 +23,7 @@ import grpc
 from runtime import threads
 from services.common import metrics, tls
 from services.common.call_socket import CallSocket, SocketMethod
-from services.common.guard import Drain, GuardInterceptor
+from services.common.guard import Drain
 from services.common.logs import setup_logging
 from services.common.metrics_server import start_metrics
 from services.common.server import (
@@ -110,11 +110,12 @@ async def serve(args: argparse.Namespace, service: ModelService) -> int:
 
 def call_socket(args: argparse.Namespace, service: ModelService, drain: Drain) -> CallSocket | None:
     """--call-socket PATH: the per-step call streams on a unix socket too, with the same token
-    and the same drain refusals as the gRPC port (none with TLS: ValueError at start-up)."""
+    and the same drain refusals as the gRPC port (not with TLS: check_server_tls refuses the
+    flags)."""
     if not args.call_socket:
         return None
     return CallSocket(args.call_socket, service.socket_methods, args.internal_token,
-                      GuardInterceptor(drain, args.internal_token).refusal,
+                      drain,
                       args.max_message_mib * MiB)
 
 

@@ -39,6 +39,7 @@ import grpc
 from services.common import internal_auth
 from services.common.call_stream import Refused
 from services.common.errors import Unavailable
+from services.common.guard import Drain
 
 log = logging.getLogger("dflash.call_socket")
 
@@ -88,11 +89,11 @@ class CallSocket:
     """Listens on `path` (replacing a stale socket file) and serves each connection's calls."""
 
     def __init__(self, path: str, methods: dict[str, SocketMethod], token: str,
-                 refusal: Callable[[str, Any], str | None], max_bytes: int) -> None:
-        """methods: by call name ("Verify"); refusal(method, request): why the drain refuses the
-        call, or None (GuardInterceptor.refusal)."""
+                 drain: Drain | None, max_bytes: int) -> None:
+        """methods: by call name ("Verify"); drain: the service's (its refusals, as the guard
+        answers them on gRPC)."""
         self.path, self.methods, self.token = path, methods, token
-        self.refusal, self.max_bytes = refusal, max_bytes
+        self.drain, self.max_bytes = drain, max_bytes
         self.id = secrets.token_hex(8)         # answered in every hello (call_socket_id)
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task] = set()
@@ -178,5 +179,6 @@ class CallSocket:
             except Exception as e:  # noqa: BLE001 - any parse failure is the client's bad input
                 raise ValueError(f"a frame is not a valid {request_type.DESCRIPTOR.full_name} "
                                  f"({type(e).__name__})") from None
-            why = None if message.cancel else self.refusal(name, message.request)
+            why = (None if message.cancel or self.drain is None
+                   else self.drain.refusal(name, message.request))
             yield message if why is None else Refused(message, Unavailable(why))

@@ -49,6 +49,14 @@ class Drain:
     draining: bool = False
     refused: int = 0                 # calls refused while draining (logged at exit)
 
+    def refusal(self, name: str, request: Any) -> str | None:
+        """Why this call is refused now (draining, and work `refuse` names), or None."""
+        if not self.draining or not self.refuse(name, request):
+            return None
+        self.refused += 1
+        return (f"{name} refused: this service is shutting down (draining the work it has); use "
+                f"another replica or retry when it is back")
+
 
 def _safe_deserializer(deserialize: Callable[[bytes], Any] | None, type_name: str):
     if deserialize is None:
@@ -96,19 +104,13 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
     async def _check(self, request: Any, context: grpc.aio.ServicerContext, name: str) -> None:
         await self._authorized(context, name)
         await _decodable(request, context, name)
-        why = self.refusal(name, request)
+        why = self._refusal(name, request)
         if why is not None:
             metrics.observe_rpc(name, "UNAVAILABLE", 0.0)
             await context.abort(grpc.StatusCode.UNAVAILABLE, why)
 
-    def refusal(self, name: str, request: Any) -> str | None:
-        """Why the drain refuses this call, or None."""
-        d = self.drain
-        if d is None or not d.draining or not d.refuse(name, request):
-            return None
-        d.refused += 1
-        return (f"{name} refused: this service is shutting down (draining the work it has); use "
-                f"another replica or retry when it is back")
+    def _refusal(self, name: str, request: Any) -> str | None:
+        return self.drain.refusal(name, request) if self.drain is not None else None
 
     def _unary(self, behavior, name: str):
         async def guarded(request, context):
@@ -136,7 +138,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         """The stream's messages, each refused call replaced by a Refused."""
         async for message in requests:
             await _decodable(message, context, name)
-            why = None if message.cancel else self.refusal(call, message.request)
+            why = None if message.cancel else self._refusal(call, message.request)
             yield message if why is None else Refused(message, Unavailable(why))
 
 
